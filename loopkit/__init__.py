@@ -1,0 +1,56 @@
+"""loopkit: tf.train.Supervisor's services for JAX, as pluggy plugins around a small loop."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from loopkit.checkpoint import CheckpointBackend, Restored
+from loopkit.config import Config
+from loopkit.coordinator import Coordinator
+from loopkit.errors import CheckpointError, NonFiniteError, PluginError
+from loopkit.hookspec import hookimpl, hookspec
+from loopkit.session import Session
+from loopkit.supervisor import Supervisor
+from loopkit.train import TrainResult, train
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointBackend",
+    "CheckpointError",
+    "Config",
+    "Coordinator",
+    "NonFiniteError",
+    "PluginError",
+    "Restored",
+    "Session",
+    "Supervisor",
+    "TrainResult",
+    "checkpoints_iterator",
+    "from_pretrained",
+    "hookimpl",
+    "hookspec",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "train",
+]
+
+# Checkpoint helpers live with the checkpoint plugin (they need a backend);
+# imported on first use so `import loopkit` stays light.
+_LAZY = {
+    "latest_checkpoint": "loopkit.plugins.checkpoint",
+    "load_checkpoint": "loopkit.plugins.checkpoint",
+    "checkpoints_iterator": "loopkit.plugins.checkpoint",
+    "from_pretrained": "loopkit.plugins.init",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'loopkit' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,3 @@
+from loopkit.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,53 @@
+"""The checkpoint-backend protocol. The core knows no file format."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = ["CheckpointBackend", "Restored"]
+
+PyTree = Any
+
+
+@runtime_checkable
+class CheckpointBackend(Protocol):
+    """Stores states by step in one directory. Built-ins: ``"orbax"``, ``"npz"``.
+
+    A plugin adds one through the `checkpoint_backend` hook. ``save`` may return
+    before the data is durable (asynchronous); it must be atomic: a save that did
+    not complete is never listed by ``steps``.
+    """
+
+    def save(self, step: int, state: PyTree, metadata: dict) -> None:
+        """Start saving ``state`` (and JSON-able ``metadata``) as ``step``."""
+
+    def restore(self, step: int, like: PyTree) -> tuple[PyTree, dict]:
+        """Read ``step`` back: the state as stored, placed like ``like``, and its metadata.
+
+        ``like`` may be abstract (`jax.ShapeDtypeStruct` leaves), concrete, or None
+        (then the state comes back as nested dicts). Never casts. Raises only for
+        data it cannot read (that alone marks a checkpoint corrupt).
+        """
+
+    def steps(self) -> list[int]:
+        """The committed steps, ascending."""
+
+    def delete(self, step: int) -> None:
+        """Remove the checkpoint of ``step``."""
+
+    def wait(self) -> None:
+        """Block until every pending save is committed (durable)."""
+
+    def close(self) -> None:
+        """Wait, then release resources."""
+
+
+@dataclasses.dataclass
+class Restored:
+    """What `restore_state` recovered: the state, its global step, the input position."""
+
+    state: PyTree
+    step: int
+    data_position: Any = None
+    path: str | None = None

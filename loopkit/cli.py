@@ -1,0 +1,45 @@
+"""The `loopkit` command: `loopkit plugins`, `loopkit checkpoints LOGDIR`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+__all__ = ["main"]
+
+
+def _plugins(args: argparse.Namespace) -> int:
+    from loopkit.config import Config
+    from loopkit.manager import make_plugin_manager
+
+    pm = make_plugin_manager(Config())
+    rows = pm.describe()
+    width = max((len(n) for n, _, _ in rows), default=4)
+    for name, origin, hooks in rows:
+        print(f"{name:<{width}}  {origin:<28}  {', '.join(hooks) or '-'}")
+    return 0
+
+
+def _checkpoints(args: argparse.Namespace) -> int:
+    from loopkit.plugins.checkpoint import describe_checkpoints
+
+    lines = describe_checkpoints(args.logdir)
+    if not lines:
+        print(f"no checkpoints in {args.logdir}", file=sys.stderr)
+        return 1
+    for line in lines:
+        print(line)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="loopkit", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("plugins", help="list the plugins a run would use, and their hooks")
+    p.set_defaults(func=_plugins)
+    c = sub.add_parser("checkpoints", help="list the checkpoints in LOGDIR")
+    c.add_argument("logdir")
+    c.set_defaults(func=_checkpoints)
+    args = parser.parse_args(argv)
+    return args.func(args)

@@ -1,0 +1,212 @@
+"""`Config`: the Supervisor-equivalent settings every plugin reads."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    import jax
+
+__all__ = ["Config"]
+
+PyTree = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Everything a run can be told, with `tf.train.Supervisor`'s defaults.
+
+    Validated on construction: a bad value raises `ValueError` naming the field,
+    the value and what is allowed.
+
+    >>> Config(logdir="runs/a", save_model_secs=30).save_model_secs
+    30
+    """
+
+    logdir: str | os.PathLike[str] | None = None
+    is_chief: bool | None = None
+    save_model_secs: float | None = 600
+    save_model_steps: int | None = None
+    save_summaries_secs: float | None = 120
+    save_summaries_steps: int | None = None
+    checkpoint_basename: str = "model.ckpt"
+    checkpoint_backend: Any = "orbax"
+    max_to_keep: int | None = 5
+    keep_checkpoint_every_n_hours: float | None = None
+    init_fn: Callable[[PyTree], PyTree] | None = None
+    local_init_fn: Callable[[Any], None] | None = None
+    summary_fn: Callable[[PyTree], dict] | None = None
+    max_steps: int | None = None
+    recovery_wait_secs: float = 30
+    stop_grace_secs: float = 120
+    prefetch: int = 2
+    prefetch_threads: int = 1
+    data_transform: Callable[[Any], Any] | None = None
+    data_sharding: jax.sharding.Sharding | None = None
+    jit: bool = True
+    donate: bool = True
+    progress: bool = True
+    nan_guard: str | None = None
+    profile_steps: tuple[int, int] | None = None
+    disable: tuple[str, ...] = ()
+    autoload: bool = True
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            check = _CHECKS.get(f.name)
+            if check is not None:
+                value = getattr(self, f.name)
+                allowed = check(value)
+                if allowed is not None:
+                    raise ValueError(
+                        f"Config.{f.name}={value!r} is not allowed: expected {allowed}"
+                    )
+        if self.disable is not None and not isinstance(self.disable, tuple):
+            object.__setattr__(self, "disable", tuple(self.disable))
+
+    @property
+    def logdir_path(self) -> Path | None:
+        """`logdir` as an absolute `Path`, or None."""
+        return None if self.logdir is None else Path(self.logdir).absolute()
+
+    def replace(self, **changes: Any) -> Config:
+        """A copy with `changes` applied (and validated)."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and v == v
+
+
+def _secs(optional: bool):
+    def check(v: Any) -> str | None:
+        if v is None and optional:
+            return None
+        if _is_num(v) and v >= 0:
+            return None
+        return "a number of seconds >= 0" + (" or None" if optional else "")
+
+    return check
+
+
+def _count(minimum: int, optional: bool):
+    def check(v: Any) -> str | None:
+        if v is None and optional:
+            return None
+        if _is_int(v) and v >= minimum:
+            return None
+        return f"an int >= {minimum}" + (" or None" if optional else "")
+
+    return check
+
+
+def _bool(v: Any) -> str | None:
+    return None if isinstance(v, bool) else "True or False"
+
+
+def _optional_bool(v: Any) -> str | None:
+    return None if v is None or isinstance(v, bool) else "True, False or None"
+
+
+def _optional_callable(v: Any) -> str | None:
+    return None if v is None or callable(v) else "a callable or None"
+
+
+def _logdir(v: Any) -> str | None:
+    if v is None or (isinstance(v, (str, os.PathLike)) and str(os.fspath(v)) != ""):
+        return None
+    return "a non-empty path (str or os.PathLike) or None"
+
+
+def _basename(v: Any) -> str | None:
+    if isinstance(v, str) and v and "/" not in v and os.sep not in v:
+        return None
+    return "a non-empty file name without a directory separator"
+
+
+def _backend(v: Any) -> str | None:
+    if v is None or (isinstance(v, str) and v):
+        return None
+    needed = ("save", "restore", "steps", "delete", "wait", "close")
+    if all(callable(getattr(v, m, None)) for m in needed):
+        return None
+    return 'a backend name such as "orbax" or "npz", a CheckpointBackend instance, or None'
+
+
+def _hours(v: Any) -> str | None:
+    if v is None or (_is_num(v) and v > 0):
+        return None
+    return "a number of hours > 0 or None"
+
+
+def _metric_name(v: Any) -> str | None:
+    return None if v is None or (isinstance(v, str) and v) else "a metric name (str) or None"
+
+
+def _profile_steps(v: Any) -> str | None:
+    if v is None:
+        return None
+    if (
+        isinstance(v, (tuple, list))
+        and len(v) == 2
+        and all(_is_int(x) and x >= 1 for x in v)
+        and v[0] <= v[1]
+    ):
+        return None
+    return "None or (first, last) global steps with 1 <= first <= last"
+
+
+def _disable(v: Any) -> str | None:
+    if isinstance(v, (tuple, list, set, frozenset)) and all(isinstance(x, str) for x in v):
+        return None
+    return 'a tuple of plugin names, e.g. ("progress",)'
+
+
+def _sharding(v: Any) -> str | None:
+    if v is None:
+        return None
+    import jax
+
+    return None if isinstance(v, jax.sharding.Sharding) else "a jax.sharding.Sharding or None"
+
+
+_CHECKS = {
+    "logdir": _logdir,
+    "is_chief": _optional_bool,
+    "save_model_secs": _secs(True),
+    "save_model_steps": _count(0, True),
+    "save_summaries_secs": _secs(True),
+    "save_summaries_steps": _count(0, True),
+    "checkpoint_basename": _basename,
+    "checkpoint_backend": _backend,
+    "max_to_keep": _count(1, True),
+    "keep_checkpoint_every_n_hours": _hours,
+    "init_fn": _optional_callable,
+    "local_init_fn": _optional_callable,
+    "summary_fn": _optional_callable,
+    "max_steps": _count(0, True),
+    "recovery_wait_secs": _secs(False),
+    "stop_grace_secs": _secs(False),
+    "prefetch": _count(0, False),
+    "prefetch_threads": _count(1, False),
+    "data_transform": _optional_callable,
+    "data_sharding": _sharding,
+    "jit": _bool,
+    "donate": _bool,
+    "progress": _bool,
+    "nan_guard": _metric_name,
+    "profile_steps": _profile_steps,
+    "disable": _disable,
+    "autoload": _bool,
+}

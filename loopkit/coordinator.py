@@ -1,0 +1,139 @@
+"""The Coordinator: one stop flag, the first error, and the threads to join."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from typing import Any, Callable, Iterator
+
+__all__ = ["Coordinator", "LooperThread"]
+
+log = logging.getLogger("loopkit")
+
+
+def add_note(exc: BaseException, note: str) -> None:
+    """Add a PEP 678 note once (Python 3.10 has no `add_note`)."""
+    notes = getattr(exc, "__notes__", None) or []
+    if note in notes:
+        return
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+    else:  # pragma: no cover - Python 3.10
+        exc.__notes__ = [*notes, note]  # type: ignore[attr-defined]
+
+
+class Coordinator:
+    """Stops every thread of a session cleanly and keeps the error that stopped it.
+
+    As `tf.train.Coordinator`: `request_stop(ex)` sets a flag that cannot be unset;
+    the first exception wins and is re-raised by `raise_requested_exception()`;
+    `StopIteration` (exhausted input) is a clean stop.
+    """
+
+    def __init__(self) -> None:
+        self.stopped = False  # read on the per-step path: a plain attribute
+        self.reason: str | None = None
+        self.exception: BaseException | None = None
+        self._event = threading.Event()
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+
+    def should_stop(self) -> bool:
+        """True once a stop was requested."""
+        return self.stopped
+
+    def request_stop(self, ex: BaseException | None = None, reason: str = "requested") -> None:
+        """Ask every thread to stop. The first exception (or reason) is kept."""
+        with self._lock:
+            if isinstance(ex, StopIteration):
+                reason = "data_exhausted"
+            elif ex is not None:
+                reason = "error"
+                if self.exception is None:
+                    self.exception = ex
+            if self.reason is None:
+                self.reason = reason
+            self.stopped = True
+            self._event.set()
+
+    def wait_for_stop(self, timeout: float | None = None) -> bool:
+        """Block until a stop is requested (or `timeout` passes); True if stopped."""
+        return self._event.wait(timeout)
+
+    @contextlib.contextmanager
+    def stop_on_exception(self) -> Iterator[None]:
+        """Turn an exception raised in the block into `request_stop(ex)`.
+
+        As in TensorFlow, the exception is recorded, not re-raised here; it comes
+        back when the session ends.
+        """
+        try:
+            yield
+        except BaseException as ex:  # noqa: BLE001 - re-raised at the session's end
+            self.request_stop(ex)
+
+    def register_thread(self, thread: threading.Thread) -> None:
+        self._threads.append(thread)
+
+    def join(self, grace_secs: float) -> list[threading.Thread]:
+        """Join registered threads within `grace_secs`; warn about and return stragglers."""
+        deadline = time.monotonic() + grace_secs
+        stragglers = []
+        for t in self._threads:
+            if t is threading.current_thread():
+                continue
+            t.join(max(0.0, deadline - time.monotonic()))
+            if t.is_alive():
+                stragglers.append(t)
+        for t in stragglers:
+            log.warning(
+                "thread %r did not stop within stop_grace_secs=%s; leaving it behind",
+                t.name, grace_secs,
+            )
+        self._threads = stragglers
+        return stragglers
+
+    def raise_requested_exception(self) -> None:
+        if self.exception is not None:
+            raise self.exception
+
+
+class LooperThread(threading.Thread):
+    """Calls `target(*args, **kwargs)` every `interval_secs` until the coordinator stops.
+
+    An exception in `target` stops the coordinator and comes back, with a note
+    naming this thread, from `train` or the `with` block.
+    """
+
+    def __init__(self, coord: Coordinator, interval_secs: float | None,
+                 target: Callable[..., Any], args: tuple = (), kwargs: dict | None = None,
+                 name: str | None = None) -> None:
+        super().__init__(name=name or f"loopkit-loop-{getattr(target, '__name__', 'target')}",
+                         daemon=True)
+        self._coord = coord
+        self._interval = interval_secs
+        self._target_fn = target
+        self._args = tuple(args or ())
+        self._kwargs = dict(kwargs or {})
+
+    def run(self) -> None:
+        try:
+            if self._interval is None:
+                # Run once: the target runs its own loop (and should poll should_stop).
+                self._target_fn(*self._args, **self._kwargs)
+                return
+            next_time = time.monotonic()
+            while not self._coord.stopped:
+                self._target_fn(*self._args, **self._kwargs)
+                next_time += self._interval
+                delay = next_time - time.monotonic()
+                if delay < 0:  # fell behind: don't try to catch up
+                    next_time = time.monotonic()
+                    delay = 0
+                if self._coord.wait_for_stop(delay):
+                    break
+        except BaseException as ex:  # noqa: BLE001 - handed to the main thread
+            add_note(ex, f"raised in loopkit thread {self.name!r}")
+            self._coord.request_stop(ex)

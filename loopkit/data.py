@@ -1,0 +1,74 @@
+"""The three data protocols `train` accepts, behind one small `Input` object."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Iterator
+
+__all__ = ["Input", "make_input"]
+
+log = logging.getLogger("loopkit")
+
+
+def is_stateful(obj: Any) -> bool:
+    """grain's protocol: an iterator with `get_state()` / `set_state(state)`."""
+    return callable(getattr(obj, "get_state", None)) and callable(getattr(obj, "set_state", None))
+
+
+class Input:
+    """What the loop reads batches from, and where the input stands for a checkpoint.
+
+    `source` is the raw iterator of the user's data. `iterator` is what the loop
+    consumes: `source` itself, or a prefetching iterator the `prefetch` plugin
+    puts in its place (it then also replaces `position`).
+    """
+
+    def __init__(self, source: Iterator[Any], kind: str, start_step: int) -> None:
+        self.source = source
+        self.kind = kind  # "iterable" | "callable" | "stateful"
+        self.start_step = start_step
+        self.iterator: Iterator[Any] = source
+        self.position: Callable[[int], Any] = self._position
+
+    def _position(self, step: int) -> Any:
+        """The input position after the batch of global step `step` was consumed.
+
+        JSON-able; None when the source cannot say (a plain iterable), or when
+        the step alone says it (a callable `data(start_step)`).
+        """
+        if self.kind == "stateful":
+            return self.source.get_state()
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+def make_input(data: Any, start_step: int, position: Any, restored: bool) -> Input:
+    """Open `data` at `start_step` (restoring `position` where the source supports it)."""
+    if callable(data) and not hasattr(data, "__iter__") and not hasattr(data, "__next__"):
+        it = iter(data(start_step))
+        return Input(it, "callable", start_step)
+    try:
+        it = iter(data)
+    except TypeError:
+        raise TypeError(
+            f"data={data!r} is not supported: pass an iterable of batches, a callable "
+            "data(start_step) returning one, an iterator with get_state()/set_state(), or None"
+        ) from None
+    if is_stateful(it):
+        if restored and position is not None:
+            it.set_state(position)
+        elif restored and start_step > 0:
+            log.warning(
+                "loopkit: the checkpoint holds no input position; the data iterator "
+                "starts where it stands"
+            )
+        return Input(it, "stateful", start_step)
+    if restored and start_step > 0:
+        log.warning(
+            "loopkit: resumed at step %d but the input position was not restored: data is a "
+            "plain iterable, used as given. Pass a callable data(start_step) or an iterator "
+            "with get_state()/set_state() for an exact resume.", start_step,
+        )
+    return Input(it, "iterable", start_step)

@@ -1,0 +1,131 @@
+"""The hooks a loopkit run emits. Every plugin implements some of these.
+
+Implement a hook with `@loopkit.hookimpl` on a method (or module function) of the
+same name, taking only the arguments it needs: pluggy passes them by name, so a
+hook can gain an argument later without breaking any plugin.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping
+
+import pluggy
+
+if TYPE_CHECKING:
+    from loopkit.checkpoint import CheckpointBackend, Restored
+    from loopkit.config import Config
+    from loopkit.session import Session
+
+hookspec = pluggy.HookspecMarker("loopkit")
+hookimpl = pluggy.HookimplMarker("loopkit")
+
+PyTree = Any
+
+# -- lifecycle hooks: every implementation runs -----------------------------------
+
+
+@hookspec
+def session_create(session: Session) -> None:
+    """The state is ready (recovered or initialised): start services.
+
+    Called once per session, after the ready check and before the first step.
+    Built-in services start first, so `session.summary_writer` and the
+    checkpoint backend are ready here. Register periodic work with
+    `session.every(...)` here rather than checking a clock in `after_step`.
+
+    :param session: the `loopkit.Session`; `session.step` is the start step.
+    """
+
+
+@hookspec
+def before_step(session: Session, step: int) -> None:
+    """Called before the step that will make global step ``step + 1``.
+
+    On the per-step path: only emitted when some plugin implements it, and only
+    for a step that then runs (not when the data is exhausted).
+
+    :param session: the `loopkit.Session`.
+    :param step: the global step before this step runs.
+    """
+
+
+@hookspec
+def after_step(session: Session, step: int, metrics: Mapping[str, Any]) -> None:
+    """Called after a step; ``step`` is the new global step.
+
+    On the per-step path: only emitted when some plugin implements it. The
+    metrics may still be device arrays being computed; converting one to a host
+    value waits for the device, so do it on a timer (`session.every`).
+
+    :param session: the `loopkit.Session`.
+    :param step: the new global step.
+    :param metrics: the mapping the step function returned.
+    """
+
+
+@hookspec
+def on_stop(session: Session, error: BaseException | None) -> None:
+    """Called once at the end of every session, whatever ended it.
+
+    Every implementation runs even if one raises. Other plugins' `on_stop` run
+    first; the built-in services stop last, in the reverse of their start
+    order (so a final checkpoint and the last summary come after yours).
+
+    :param session: the `loopkit.Session`.
+    :param error: the exception that stopped the run, or None for a normal stop.
+    """
+
+
+# -- provider hooks: "give me one X" -------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def checkpoint_backend(name: str, directory: Path, config: Config) -> CheckpointBackend | None:
+    """Build the checkpoint backend called ``name`` that stores in ``directory``.
+
+    Called once per session when `Config.checkpoint_backend` is a name; the
+    instance returned both restores and saves. Return None for a name this
+    plugin does not provide. Stops at the first non-None result.
+
+    :param name: the backend name, e.g. ``"orbax"`` or ``"npz"``.
+    :param directory: the directory checkpoints live in (the logdir).
+    :param config: the run's `loopkit.Config`.
+    """
+
+
+@hookspec(firstresult=True)
+def restore_state(session: Session, like: PyTree) -> Restored | None:
+    """Recover the training state from the latest checkpoint, if there is one.
+
+    Called once at start-up, before any state is materialised. Return a
+    `loopkit.Restored` (state, step, input position) or None when there is
+    nothing to recover (a fresh start). Raise `loopkit.CheckpointError` when
+    checkpoints exist but none can be read. Stops at the first non-None result.
+
+    :param session: the `loopkit.Session` (its state is not set yet).
+    :param like: the abstract state (`jax.ShapeDtypeStruct` leaves) of ``init``.
+    """
+
+
+@hookspec(firstresult=True)
+def init_state(session: Session, state: PyTree) -> PyTree | None:
+    """Return the state a fresh run starts from, given the ``init`` state.
+
+    Called only when nothing was restored (the Supervisor's ``init_fn``).
+    Return None to leave ``state`` as it is. Stops at the first non-None result.
+
+    :param session: the `loopkit.Session`.
+    :param state: the state built from ``init``.
+    """
+
+
+@hookspec
+def local_init(session: Session) -> None:
+    """Per-session initialisation, run whether the state was restored or fresh.
+
+    Called after restore or init, before the ready check (the Supervisor's
+    ``local_init_op``). May replace ``session.state``.
+
+    :param session: the `loopkit.Session`.
+    """

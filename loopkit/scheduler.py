@@ -1,0 +1,116 @@
+"""One scheduler for every periodic action of a session (`session.every`).
+
+Per step the session compares the new step with `next_step` and one clock read
+with `next_time`; only when one of them is due does the scheduler look at its
+timers. The cost per step is the same for one timer or fifty.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Callable
+
+__all__ = ["Scheduler", "Timer"]
+
+NEVER = math.inf
+
+
+class Timer:
+    """A registered periodic action: every `secs` seconds and/or every `steps` steps.
+
+    A step trigger fires when ``step % steps == 0``; a time trigger `secs` after
+    the action last returned. When either fires, both are re-armed.
+    """
+
+    __slots__ = ("action", "secs", "steps", "name", "next_step", "next_time", "cancelled", "fired")
+
+    def __init__(
+        self, action: Callable[[Any], Any], secs: float | None, steps: int | None, name: str
+    ) -> None:
+        self.action = action
+        self.secs = secs or None
+        self.steps = steps or None
+        self.name = name
+        self.next_step: float = NEVER
+        self.next_time: float = NEVER
+        self.cancelled = False
+        self.fired = 0
+
+    def arm(self, step: int, now: float) -> None:
+        self.next_step = (step // self.steps + 1) * self.steps if self.steps else NEVER
+        self.next_time = now + self.secs if self.secs else NEVER
+
+    def due(self, step: int, now: float) -> bool:
+        return step >= self.next_step or now >= self.next_time
+
+    def cancel(self) -> None:
+        """Stop this timer; it will not fire again."""
+        self.cancelled = True
+        self.next_step = self.next_time = NEVER
+
+    def __repr__(self) -> str:
+        return f"Timer({self.name!r}, secs={self.secs}, steps={self.steps})"
+
+
+class Scheduler:
+    """Keeps every `Timer` of a session and the earliest step and time one is due.
+
+    `clock` is injectable (`loopkit.testing.FakeClock`) so tests need no real time.
+    `stop_step` (max_steps) is folded into `next_step`: reaching it calls
+    `on_stop_step` instead of running timers, since timers do not fire at the stop.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.timers: list[Timer] = []
+        self.next_step: float = NEVER
+        self.next_time: float = NEVER
+        self.stop_step: float = NEVER
+        self.on_stop_step: Callable[[], None] | None = None
+
+    def add(self, action: Callable[[Any], Any], secs: float | None, steps: int | None,
+            name: str, step: int) -> Timer:
+        if not secs and not steps:
+            raise ValueError(
+                f"session.every(name={name!r}) needs secs= or steps= (a positive number); "
+                f"got secs={secs!r}, steps={steps!r}"
+            )
+        if secs is not None and (isinstance(secs, bool) or not isinstance(secs, (int, float)) or secs < 0):
+            raise ValueError(f"session.every(name={name!r}): secs={secs!r} must be a number >= 0")
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 0):
+            raise ValueError(f"session.every(name={name!r}): steps={steps!r} must be an int >= 0")
+        timer = Timer(action, secs, steps, name)
+        timer.arm(step, self.clock())
+        self.timers.append(timer)
+        self._recompute()
+        return timer
+
+    def set_stop_step(self, step: float, callback: Callable[[], None]) -> None:
+        self.stop_step = step
+        self.on_stop_step = callback
+        self._recompute()
+
+    def _recompute(self) -> None:
+        live = [t for t in self.timers if not t.cancelled]
+        self.timers = live
+        self.next_step = min([t.next_step for t in live] + [self.stop_step])
+        self.next_time = min([t.next_time for t in live], default=NEVER)
+
+    def run_due(self, session: Any, step: int) -> None:
+        """Run the actions due at `step`, in registration order, then re-arm them."""
+        if step >= self.stop_step:
+            if self.on_stop_step is not None:
+                self.on_stop_step()
+            self.next_step = self.next_time = NEVER
+            return
+        now = self.clock()
+        for timer in list(self.timers):
+            if timer.cancelled:
+                continue
+            if step >= timer.next_step or now >= timer.next_time:
+                timer.action(session)
+                timer.fired += 1
+                if not timer.cancelled:
+                    timer.arm(step, self.clock())
+        self._recompute()

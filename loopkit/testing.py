@@ -1,0 +1,103 @@
+"""Helpers for testing loopkit plugins: a hook-call recorder and a fake clock.
+
+>>> import jax.numpy as jnp, loopkit
+>>> rec = HookRecorder()
+>>> _ = loopkit.train(lambda s: (s + 1, {}), init=jnp.zeros(()), max_steps=2,
+...                   plugins=[rec], progress=False)
+>>> rec.names()
+['restore_state', 'init_state', 'local_init', 'session_create', 'before_step', 'after_step', 'before_step', 'after_step', 'on_stop']
+>>> [c.kwargs["step"] for c in rec.calls("after_step")]
+[1, 2]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any
+
+from loopkit.hookspec import hookimpl
+
+__all__ = ["FakeClock", "HookCall", "HookRecorder"]
+
+
+@dataclasses.dataclass
+class HookCall:
+    name: str
+    kwargs: dict[str, Any]
+
+
+class HookRecorder:
+    """A plugin that records every hook call it sees, in order.
+
+    Pass it in `plugins=[...]`. Provider hooks return None, so it never changes
+    what a run does; it does implement `before_step`/`after_step`, so keep it
+    out of benchmarks.
+    """
+
+    def __init__(self) -> None:
+        self.calls_: list[HookCall] = []
+        self._lock = threading.Lock()
+
+    def _record(self, name: str, **kwargs: Any) -> None:
+        with self._lock:
+            self.calls_.append(HookCall(name, kwargs))
+
+    def names(self) -> list[str]:
+        """The names of the hooks called, in call order."""
+        return [c.name for c in self.calls_]
+
+    def calls(self, name: str) -> list[HookCall]:
+        """Every call of hook `name`."""
+        return [c for c in self.calls_ if c.name == name]
+
+    def getcall(self, name: str) -> HookCall:
+        """The one call of hook `name` (an `AssertionError` if not exactly one)."""
+        found = self.calls(name)
+        assert len(found) == 1, f"expected one call of {name!r}, got {len(found)}"
+        return found[0]
+
+    @hookimpl
+    def restore_state(self, session: Any, like: Any) -> None:
+        self._record("restore_state", session=session, like=like)
+
+    @hookimpl
+    def init_state(self, session: Any, state: Any) -> None:
+        self._record("init_state", session=session, state=state)
+
+    @hookimpl
+    def local_init(self, session: Any) -> None:
+        self._record("local_init", session=session, step=session.step)
+
+    @hookimpl
+    def session_create(self, session: Any) -> None:
+        self._record("session_create", session=session, step=session.step)
+
+    @hookimpl
+    def before_step(self, session: Any, step: int) -> None:
+        self._record("before_step", step=step)
+
+    @hookimpl
+    def after_step(self, session: Any, step: int, metrics: Any) -> None:
+        self._record("after_step", step=step, metrics=metrics)
+
+    @hookimpl
+    def on_stop(self, session: Any, error: BaseException | None) -> None:
+        self._record("on_stop", session=session, step=session.step, error=error)
+
+
+class FakeClock:
+    """A clock you move by hand: pass `clock=FakeClock()` to `train`/`Supervisor`.
+
+    >>> c = FakeClock(); c.advance(5); c()
+    5.0
+    """
+
+    def __init__(self, start: float = 0.0) -> None:
+        self.now = float(start)
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, secs: float) -> None:
+        self.now += float(secs)

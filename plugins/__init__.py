@@ -1,0 +1,5 @@
+"""loopkit's built-in plugins, one module each; see `loopkit.manager.BUILTINS`.
+
+Each module has ``plugin(config)`` returning the plugin object to register for a
+session, or None when the config leaves it inactive (its ``INACTIVE`` says why).
+"""

@@ -1,0 +1,7 @@
+"""Built-in `nan_guard` (not written yet)."""
+
+INACTIVE = "not implemented yet"
+
+
+def plugin(config):
+    return None

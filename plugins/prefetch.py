@@ -1,0 +1,7 @@
+"""Built-in `prefetch` (not written yet)."""
+
+INACTIVE = "not implemented yet"
+
+
+def plugin(config):
+    return None

@@ -1,0 +1,7 @@
+"""Built-in `profiler` (not written yet)."""
+
+INACTIVE = "not implemented yet"
+
+
+def plugin(config):
+    return None
