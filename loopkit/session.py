@@ -36,6 +36,8 @@ class SessionStats:
     input_wait_secs: float = 0.0
     #: how long the last checkpoint save held the loop
     checkpoint_blocking_secs: float | None = None
+    #: how many times the metrics were fetched to the host (`Session.host_metrics`)
+    host_conversions: int = 0
 
     def overhead_secs(self) -> float:
         return sum(self.timer_secs.values()) + self.input_wait_secs
@@ -81,6 +83,9 @@ class Session:
         self._call: Callable[..., Any] = step_fn
         self._before: Any = None
         self._after: Any = None
+        self._host: dict[str, Any] = {}
+        self._host_step = -1
+        self._host_src: Any = None
 
     # -- the per-step path -----------------------------------------------------------
 
@@ -132,6 +137,23 @@ class Session:
         self._call = once
 
     # -- what hooks and users call ---------------------------------------------------
+
+    def host_metrics(self) -> dict[str, Any]:
+        """The latest metrics as host values: floats for scalars, numpy arrays otherwise.
+
+        Waits for the step that made them. Converted once per step and cached,
+        so the summaries, progress display and NaN guard share one transfer.
+        Call it from a timer (`every`), never on every step.
+        """
+        if self._host_step != self.step or self._host_src is not self.metrics:
+            fetched = jax.device_get(dict(self.metrics or {}))
+            self._host = {
+                k: (float(v) if np.ndim(v) == 0 and np.asarray(v).dtype.kind in "biuf" else v)
+                for k, v in fetched.items()
+            }
+            self._host_step, self._host_src = self.step, self.metrics
+            self.stats.host_conversions += 1
+        return self._host
 
     def should_stop(self) -> bool:
         """True once a stop was requested (max_steps, a signal, an error, ...)."""
