@@ -1,0 +1,77 @@
+from __future__ import annotations
+
+import pytest
+
+import loopkit
+from loopkit import Config
+
+
+def test_defaults_are_the_supervisors():
+    c = Config()
+    assert c.save_model_secs == 600
+    assert c.save_summaries_secs == 120
+    assert c.recovery_wait_secs == 30
+    assert c.stop_grace_secs == 120
+    assert c.checkpoint_basename == "model.ckpt"
+    assert c.max_to_keep == 5
+    assert c.checkpoint_backend == "orbax"
+    assert (c.prefetch, c.prefetch_threads) == (2, 1)
+    assert c.jit and c.donate and c.progress
+
+
+@pytest.mark.parametrize(
+    "field, value, allowed",
+    [
+        ("save_model_secs", -1, "a number of seconds >= 0 or None"),
+        ("save_model_secs", "10", "a number of seconds >= 0 or None"),
+        ("save_model_secs", True, "a number of seconds >= 0 or None"),
+        ("save_model_steps", 2.5, "an int >= 0 or None"),
+        ("save_summaries_steps", -3, "an int >= 0 or None"),
+        ("max_steps", -1, "an int >= 0 or None"),
+        ("max_to_keep", 0, "an int >= 1 or None"),
+        ("prefetch", -1, "an int >= 0"),
+        ("prefetch_threads", 0, "an int >= 1"),
+        ("stop_grace_secs", None, "a number of seconds >= 0"),
+        ("is_chief", "yes", "True, False or None"),
+        ("jit", 1, "True or False"),
+        ("checkpoint_basename", "a/b", "a non-empty file name without a directory separator"),
+        ("checkpoint_backend", 3, "a backend name"),
+        ("keep_checkpoint_every_n_hours", 0, "a number of hours > 0 or None"),
+        ("init_fn", "not callable", "a callable or None"),
+        ("nan_guard", "", "a metric name (str) or None"),
+        ("profile_steps", (5, 2), "None or (first, last)"),
+        ("profile_steps", (0, 2), "None or (first, last)"),
+        ("disable", "progress", "a tuple of plugin names"),
+        ("data_sharding", "cpu", "a jax.sharding.Sharding or None"),
+        ("logdir", "", "a non-empty path"),
+    ],
+)
+def test_bad_value_names_field_value_and_what_is_allowed(field, value, allowed):
+    with pytest.raises(ValueError) as info:
+        Config(**{field: value})
+    msg = str(info.value)
+    assert f"Config.{field}={value!r}" in msg
+    assert allowed in msg
+
+
+def test_secs_take_int_or_float_and_zero_or_none_disable():
+    assert Config(save_model_secs=1.5).save_model_secs == 1.5
+    assert Config(save_model_secs=0, save_model_steps=None).save_model_secs == 0
+    assert Config(save_summaries_secs=None).save_summaries_secs is None
+
+
+def test_disable_list_becomes_tuple():
+    assert Config(disable=["progress"]).disable == ("progress",)
+
+
+def test_unknown_keyword_to_train_is_a_type_error():
+    with pytest.raises(TypeError, match="save_model_sec"):
+        loopkit.train(lambda s: (s, {}), init=0.0, save_model_sec=3)
+
+
+def test_config_and_keywords_combine_and_validate():
+    base = Config(max_steps=3)
+    sv = loopkit.Supervisor(base, progress=False)
+    assert sv.config.max_steps == 3 and sv.config.progress is False
+    with pytest.raises(ValueError, match="Config.max_steps=-2"):
+        loopkit.Supervisor(base, max_steps=-2)

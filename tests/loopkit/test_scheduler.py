@@ -1,0 +1,127 @@
+from __future__ import annotations
+
+import pytest
+
+import loopkit
+import jax.numpy as jnp
+from loopkit.scheduler import Scheduler
+from loopkit.testing import FakeClock
+
+
+def test_step_trigger_fires_on_multiples():
+    sched = Scheduler(FakeClock())
+    fired = []
+    sched.add(lambda s: fired.append(step), secs=None, steps=3, name="t", step=0)
+    for step in range(1, 11):
+        if step >= sched.next_step or sched.clock() >= sched.next_time:
+            sched.run_due(None, step)
+    assert fired == [3, 6, 9]
+
+
+def test_step_trigger_is_aligned_after_a_resume():
+    sched = Scheduler(FakeClock())
+    fired = []
+    sched.add(lambda s: fired.append(step), secs=None, steps=5, name="t", step=7)
+    assert sched.next_step == 10
+    for step in range(8, 21):
+        if step >= sched.next_step:
+            sched.run_due(None, step)
+    assert fired == [10, 15, 20]
+
+
+def test_time_trigger_rearms_after_the_action_returns():
+    clock = FakeClock()
+    sched = Scheduler(clock)
+    fired = []
+
+    def slow(_):
+        fired.append(clock())
+        clock.advance(7)  # the action itself takes 7 s
+
+    sched.add(slow, secs=10, steps=None, name="slow", step=0)
+    for step in range(1, 100):
+        clock.advance(1)
+        if step >= sched.next_step or clock() >= sched.next_time:
+            sched.run_due(None, step)
+    # due at 10; returns at 17; next due 27 (not 20): never back to back
+    assert fired[:3] == [10.0, 27.0, 44.0]
+
+
+def test_either_trigger_rearms_both():
+    clock = FakeClock()
+    sched = Scheduler(clock)
+    fired = []
+    sched.add(lambda s: fired.append((step, clock())), secs=10, steps=4, name="t", step=0)
+    for step in range(1, 13):
+        clock.advance(3 if step != 2 else 20)
+        if step >= sched.next_step or clock() >= sched.next_time:
+            sched.run_due(None, step)
+    steps = [s for s, _ in fired]
+    assert steps[0] == 2  # time trigger at step 2 (clock jumped)
+    assert 4 in steps and 8 in steps and 12 in steps
+
+
+def test_every_without_a_trigger_names_the_timer():
+    class Bad:
+        @loopkit.hookimpl
+        def session_create(self, session):
+            session.every(self.tick, name="tick")
+
+        def tick(self, session):
+            pass
+
+    with pytest.raises(ValueError, match=r"name='tick', plugin 'Bad'.*secs= or steps="):
+        loopkit.train(lambda s: (s + 1, {}), init=jnp.zeros(()), max_steps=2,
+                      plugins=[Bad()], progress=False)
+
+
+def test_cancel_stops_a_timer_and_handles_are_returned():
+    seen = []
+
+    class P:
+        @loopkit.hookimpl
+        def session_create(self, session):
+            self.handle = session.every(self.tick, steps=2)
+
+        def tick(self, session):
+            seen.append(session.step)
+            if session.step == 6:
+                self.handle.cancel()
+
+    loopkit.train(lambda s: (s + 1, {}), init=jnp.zeros(()), max_steps=20,
+                  plugins=[P()], progress=False)
+    assert seen == [2, 4, 6]
+
+
+def test_timers_run_in_registration_order_and_not_at_the_stop():
+    order = []
+
+    class P:
+        @loopkit.hookimpl
+        def session_create(self, session):
+            session.every(lambda s: order.append(("a", s.step)), steps=5, name="a")
+            session.every(lambda s: order.append(("b", s.step)), steps=5, name="b")
+
+    loopkit.train(lambda s: (s + 1, {}), init=jnp.zeros(()), max_steps=10,
+                  plugins=[P()], progress=False)
+    # step 10 is the stop: timers do not fire there
+    assert order == [("a", 5), ("b", 5)]
+
+
+def test_fake_clock_drives_time_timers_through_train():
+    clock = FakeClock()
+    seen = []
+
+    class P:
+        @loopkit.hookimpl
+        def session_create(self, session):
+            session.every(lambda s: seen.append(s.step), secs=60, name="minute")
+
+    def step(s):
+        clock.advance(25)  # each step "takes" 25 s
+        return s + 1, {}
+
+    loopkit.train(step, init=jnp.zeros(()), max_steps=10, plugins=[P()], progress=False,
+                  clock=clock, jit=False)
+    # due at t>=60 -> step 3 (t=75); re-armed at 75 -> due 135 -> step 6 (150); 210 -> step 9 (225)
+    assert seen == [3, 6, 9]

@@ -1,0 +1,106 @@
+"""SIGTERM/SIGINT to a real training subprocess."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+SCRIPT = textwrap.dedent(
+    """
+    import signal, sys, time
+    import jax.numpy as jnp
+    import loopkit
+
+    class Report:
+        @loopkit.hookimpl
+        def session_create(self, session):
+            print("READY", flush=True)
+
+        @loopkit.hookimpl
+        def on_stop(self, session, error):
+            print("ON_STOP", session.step, repr(error), flush=True)
+
+    def step(s):
+        time.sleep(0.01)
+        return s + 1, {}
+
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    r = loopkit.train(step, init=jnp.zeros(()), jit=False, plugins=[Report()],
+                      progress=False, checkpoint_backend=None)
+    after = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    print("RESULT", r.stop_reason, r.step, int(r.state), flush=True)
+    print("HANDLERS_RESTORED", before == after, flush=True)
+    """
+)
+
+
+def _start(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    line = proc.stdout.readline()
+    assert line.strip() == "READY", line + proc.stderr.read()
+    time.sleep(0.2)
+    return proc
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_first_signal_stops_cleanly(tmp_path, sig):
+    proc = _start(tmp_path)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    lines = out.splitlines()
+    on_stop = [l for l in lines if l.startswith("ON_STOP")]
+    assert len(on_stop) == 1 and on_stop[0].endswith("None"), out
+    result = [l for l in lines if l.startswith("RESULT")][0].split()
+    assert result[1] == "signal" and int(result[2]) > 0 and result[2] == result[3]
+    assert "HANDLERS_RESTORED True" in out
+    assert f"got {signal.Signals(sig).name}" in err
+
+
+def test_second_sigint_aborts(tmp_path):
+    script = tmp_path / "train.py"
+    # on_stop blocks, so the second Ctrl-C arrives while stopping... use a slow step instead
+    script.write_text(SCRIPT.replace("time.sleep(0.01)", "time.sleep(0.5)"))
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout.readline().strip() == "READY"
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    assert "KeyboardInterrupt" in err
+    assert "ON_STOP" in out and "KeyboardInterrupt" in out  # on_stop saw the abort
+    assert "RESULT" not in out
+
+
+def test_handlers_only_installed_in_the_main_thread():
+    import threading
+
+    import jax.numpy as jnp
+
+    import loopkit
+
+    before = signal.getsignal(signal.SIGTERM)
+    seen = []
+
+    def run():
+        r = loopkit.train(lambda s: (s + 1, {}), init=jnp.zeros(()), max_steps=3,
+                          progress=False, checkpoint_backend=None)
+        seen.append((r.step, signal.getsignal(signal.SIGTERM)))
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(60)
+    assert seen == [(3, before)]
