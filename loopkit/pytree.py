@@ -28,7 +28,7 @@ def leaves_with_paths(tree: PyTree) -> list[tuple[str, Any]]:
     return [(leaf_path(kp), leaf) for kp, leaf in jax.tree_util.tree_leaves_with_path(tree)]
 
 
-def _shape_dtype(x: Any) -> tuple[tuple[int, ...], np.dtype]:
+def shape_dtype(x: Any) -> tuple[tuple[int, ...], np.dtype]:
     if isinstance(x, (jax.ShapeDtypeStruct, jax.Array, np.ndarray, np.generic)):
         return tuple(x.shape), np.dtype(x.dtype)
     arr = np.asarray(x)
@@ -42,7 +42,7 @@ def abstract(tree: PyTree) -> PyTree:
     def one(x: Any) -> jax.ShapeDtypeStruct:
         if isinstance(x, jax.ShapeDtypeStruct):
             return x
-        shape, dtype = _shape_dtype(x)
+        shape, dtype = shape_dtype(x)
         sharding = getattr(x, "sharding", None) if isinstance(x, jax.Array) else None
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
@@ -62,8 +62,8 @@ def check_matches(state: PyTree, like: PyTree, what: str = "the restored state")
     for path in sorted(got.keys() - want.keys()):
         problems.append(f"  {path or '<root>'}: in {what} but not in the init state")
     for path in sorted(want.keys() & got.keys()):
-        gs, gd = _shape_dtype(got[path])
-        ws, wd = _shape_dtype(want[path])
+        gs, gd = shape_dtype(got[path])
+        ws, wd = shape_dtype(want[path])
         if gs != ws or gd != wd:
             problems.append(
                 f"  {path or '<root>'}: {what} has shape {gs} dtype {gd}, "
