@@ -11,6 +11,7 @@ loses at most one checkpoint interval): the next run resumes exactly.
 from __future__ import annotations
 
 import argparse
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -68,6 +69,8 @@ def main(argv=None):
     parser.add_argument("--logdir", default="runs/digits")
     parser.add_argument("--steps", type=int, default=1000)
     args = parser.parse_args(argv)
+    # loopkit logs progress on the "loopkit" logger; show it when stderr is not a terminal
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     (x_train, y_train), (x_test, y_test) = load()
 
     def init():

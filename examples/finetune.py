@@ -12,6 +12,7 @@ own checkpoints instead.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 
 import jax
@@ -80,6 +81,8 @@ def main(argv=None):
     parser.add_argument("--workdir", default="runs/finetune")
     parser.add_argument("--steps", type=int, default=600)
     args = parser.parse_args(argv)
+    # loopkit logs progress on the "loopkit" logger; show it when stderr is not a terminal
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     common = dict(max_steps=args.steps, save_model_secs=60, save_summaries_secs=30,
                   progress=False)
 

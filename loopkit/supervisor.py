@@ -250,13 +250,37 @@ class _ManagedSession:
             key=lambda i: -rank.get(i.plugin_name, 0),
         )
         errors: list[BaseException] = []
-        for impl in others + mine:
-            kwargs = {"session": session, "error": error}
+        kwargs = {"session": session, "error": error}
+
+        def call(impl: Any) -> Any:
             try:
-                impl.function(*(kwargs[a] for a in impl.argnames))
+                return impl.function(*(kwargs[a] for a in impl.argnames))
             except BaseException as ex:  # noqa: BLE001 - every on_stop must run
                 add_note(ex, f"raised in loopkit hook 'on_stop' of plugin {impl.plugin_name!r}")
                 log.error("loopkit: on_stop of plugin %r raised %r", impl.plugin_name, ex)
+                errors.append(ex)
+                return None
+
+        # wrapper=True implementations: the part before `yield` runs first, the rest last
+        wrappers = [i for i in others if i.wrapper or i.hookwrapper]
+        started = [g for g in (call(w) for w in wrappers) if g is not None]
+        for gen in list(started):
+            try:
+                next(gen)
+            except StopIteration:
+                started.remove(gen)
+            except BaseException as ex:  # noqa: BLE001
+                errors.append(ex)
+                started.remove(gen)
+        for impl in [i for i in others if i not in wrappers] + mine:
+            call(impl)
+        for gen in reversed(started):
+            try:
+                gen.send(None)
+            except StopIteration:
+                pass
+            except BaseException as ex:  # noqa: BLE001
+                add_note(ex, "raised in loopkit hook 'on_stop' (a wrapper)")
                 errors.append(ex)
         return errors
 

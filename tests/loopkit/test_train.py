@@ -394,3 +394,22 @@ def test_data_callable_gets_the_start_step():
 def test_unsupported_data_is_a_clear_error():
     with pytest.raises(TypeError, match="data=42 is not supported"):
         loopkit.train(add_step, init=jnp.zeros(()), data=42, **FAST)
+
+
+def test_on_stop_wrapper_runs_around_every_other_on_stop():
+    order = []
+
+    class Wrap:
+        @loopkit.hookimpl(wrapper=True)
+        def on_stop(self, error):
+            order.append("wrap-before")
+            yield
+            order.append("wrap-after")
+
+    class Plain:
+        @loopkit.hookimpl
+        def on_stop(self):
+            order.append("plain")
+
+    loopkit.train(count_step, init=jnp.zeros(()), max_steps=1, plugins=[Plain(), Wrap()], **FAST)
+    assert order == ["wrap-before", "plain", "wrap-after"]
