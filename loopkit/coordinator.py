@@ -35,6 +35,8 @@ class Coordinator:
     def __init__(self) -> None:
         self.stopped = False  # read on the per-step path: a plain attribute
         self.reason: str | None = None
+        #: a stop signal waiting for the processes to agree (multi-process runs)
+        self.signal_pending = False
         self.exception: BaseException | None = None
         self._event = threading.Event()
         self._lock = threading.Lock()

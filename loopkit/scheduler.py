@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import math
 import time
+import zlib
 from typing import Any, Callable
 
-__all__ = ["Scheduler", "Timer"]
+__all__ = ["Agreement", "Scheduler", "Timer"]
 
 NEVER = math.inf
 
@@ -68,6 +69,7 @@ class Scheduler:
         self.next_time: float = NEVER
         self.stop_step: float = NEVER
         self.on_stop_step: Callable[[], None] | None = None
+        self._agreement: Agreement | None = None
 
     def add(self, action: Callable[[Any], Any], secs: float | None, steps: int | None,
             name: str, step: int) -> Timer:
@@ -91,11 +93,28 @@ class Scheduler:
         self.on_stop_step = callback
         self._recompute()
 
+    def agree_with(self, agreement: Agreement, step: int) -> None:
+        """Decide time triggers collectively (many processes), every few steps.
+
+        Time is never compared locally on the per-step path any more: at each
+        agreement step every process contributes its local view (which time
+        triggers are due, whether it got a stop signal) to one small all-reduce,
+        and every process then runs the same actions at the same step.
+        """
+        self._agreement = agreement
+        agreement.next_step = step + agreement.interval
+        self._recompute()
+
     def _recompute(self) -> None:
         live = [t for t in self.timers if not t.cancelled]
         self.timers = live
-        self.next_step = min([t.next_step for t in live] + [self.stop_step])
-        self.next_time = min([t.next_time for t in live], default=NEVER)
+        bounds = [t.next_step for t in live] + [self.stop_step]
+        if self._agreement is not None:
+            self.next_step = min(bounds + [self._agreement.next_step])
+            self.next_time = NEVER
+        else:
+            self.next_step = min(bounds)
+            self.next_time = min([t.next_time for t in live], default=NEVER)
 
     def run_due(self, session: Any, step: int) -> None:
         """Run the actions due at `step`, in registration order, then re-arm them."""
@@ -105,12 +124,70 @@ class Scheduler:
             self.next_step = self.next_time = NEVER
             return
         now = self.clock()
-        for timer in list(self.timers):
+        timers = list(self.timers)
+        if self._agreement is None:
+            time_due = [now >= t.next_time for t in timers]
+        elif step >= self._agreement.next_step:
+            time_due = self._agreement.decide(step, now, timers)
+        else:
+            time_due = [False] * len(timers)
+        for timer, due in zip(timers, time_due):
             if timer.cancelled:
                 continue
-            if step >= timer.next_step or now >= timer.next_time:
+            if step >= timer.next_step or due:
                 timer.action(session)
                 timer.fired += 1
                 if not timer.cancelled:
                     timer.arm(step, self.clock())
         self._recompute()
+
+
+class Agreement:
+    """Collective decisions for a multi-process session, taken every `interval` steps.
+
+    `allreduce_max(vector) -> vector` is a collective over all processes (the
+    session passes one built on `jax.experimental.multihost_utils`). The vector
+    holds one flag per timer (time trigger due), the stop-signal flag, and the
+    milliseconds since the last agreement, so every process computes the same
+    next interval from the same numbers: about `target_secs` apart.
+    """
+
+    def __init__(self, allreduce_max: Callable[[list[int]], list[int]],
+                 signal_pending: Callable[[], bool], on_signal: Callable[[], None],
+                 clock: Callable[[], float], interval: int = 10, target_secs: float = 0.5,
+                 max_interval: int = 1000) -> None:
+        self.allreduce_max = allreduce_max
+        self.signal_pending = signal_pending
+        self.on_signal = on_signal
+        self.clock = clock
+        self.interval = interval
+        self.target_secs = target_secs
+        self.max_interval = max_interval
+        self.next_step: float = NEVER
+        self._last = clock()
+        self.rounds = 0
+
+    SLOTS = 64
+
+    def decide(self, step: int, now: float, timers: list[Timer]) -> list[bool]:
+        # Processes may register different timers (a chief-only service): a timer's
+        # vote goes to a slot named by a stable hash of its name, not its position.
+        slots = [0] * self.SLOTS
+        for t in timers:
+            if now >= t.next_time:
+                slots[zlib.crc32(t.name.encode()) % self.SLOTS] = 1
+        elapsed_ms = int(max(0.0, now - self._last) * 1000)
+        agreed = self.allreduce_max(slots + [int(self.signal_pending()), elapsed_ms])
+        self.rounds += 1
+        self._last = now
+        n = self.SLOTS
+        signal, slowest_ms = bool(agreed[n]), agreed[n + 1]
+        due = [bool(t.secs) and bool(agreed[zlib.crc32(t.name.encode()) % n]) for t in timers]
+        # same inputs on every process -> same next interval everywhere
+        per_step = max(slowest_ms / 1000.0, 1e-6) / self.interval
+        self.interval = int(min(self.max_interval, max(1, min(self.interval * 2,
+                                                              self.target_secs / per_step))))
+        self.next_step = step + self.interval
+        if signal:
+            self.on_signal()
+        return due

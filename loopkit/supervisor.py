@@ -15,6 +15,7 @@ from loopkit.coordinator import Coordinator, LooperThread, add_note
 from loopkit.data import make_input
 from loopkit.manager import BUILTINS, make_plugin_manager
 from loopkit.pytree import abstract, check_matches, conform
+from loopkit.scheduler import Agreement
 from loopkit.session import Session
 
 __all__ = ["Supervisor", "make_config"]
@@ -145,6 +146,15 @@ class Supervisor:
         return _ManagedSession(self, step_fn, init, data)
 
 
+def _allreduce_max(vector: list[int]) -> list[int]:
+    """Element-wise max of `vector` over all processes (one small collective)."""
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    gathered = multihost_utils.process_allgather(np.asarray(vector, np.int32))
+    return [int(x) for x in np.asarray(gathered).reshape(-1, len(vector)).max(axis=0)]
+
+
 class _ManagedSession:
     def __init__(self, sv: Supervisor, step_fn: Callable[..., Any], init: Any, data: Any) -> None:
         self.sv, self.step_fn, self.init, self.data = sv, step_fn, init, data
@@ -207,6 +217,11 @@ class _ManagedSession:
             session._sched.set_stop_step(
                 max_steps, lambda: session._coord.request_stop(reason="max_steps")
             )
+        if jax.process_count() > 1:
+            session._sched.agree_with(Agreement(
+                _allreduce_max, lambda: session._coord.signal_pending,
+                lambda: session._coord.request_stop(reason="signal"), session._clock,
+            ), session.step)
         session.stats.start_time = session._clock()
         hook.session_create(session=session)
 
@@ -301,7 +316,12 @@ class _ManagedSession:
                 signal.Signals(signum).name,
                 " (press Ctrl-C again to abort)" if signum == signal.SIGINT else "",
             )
-            coord.request_stop(reason="signal")
+            if self.session is not None and self.session._sched._agreement is not None:
+                # Many processes: stop at a step every process agrees on, so that
+                # none is left waiting in a collective the others skipped.
+                coord.signal_pending = True
+            else:
+                coord.request_stop(reason="signal")
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             try:

@@ -125,3 +125,49 @@ def test_fake_clock_drives_time_timers_through_train():
                   clock=clock, jit=False)
     # due at t>=60 -> step 3 (t=75); re-armed at 75 -> due 135 -> step 6 (150); 210 -> step 9 (225)
     assert seen == [3, 6, 9]
+
+
+def test_agreement_decides_time_triggers_only_at_agreement_steps():
+    from loopkit.scheduler import Agreement
+
+    clock = FakeClock()
+    sched = Scheduler(clock)
+    other_process_due = {"value": 0}
+    calls = []
+
+    def allreduce_max(vector):
+        calls.append(list(vector))
+        # the "other process" votes every time slot due (its clock runs ahead)
+        return [max(v, other_process_due["value"]) if i < Agreement.SLOTS else v
+                for i, v in enumerate(vector)]
+
+    signal = {"pending": False}
+    stopped = []
+    agreement = Agreement(allreduce_max, lambda: signal["pending"], lambda: stopped.append(1),
+                          clock, interval=4, target_secs=10**9, max_interval=4)
+    fired = []
+    sched.add(lambda s: fired.append(step), secs=100, steps=None, name="ckpt", step=0)
+    sched.agree_with(agreement, step=0)
+    assert sched.next_time == float("inf")  # no local time check on the per-step path
+    for step in range(1, 13):
+        clock.advance(1)
+        if step == 6:
+            other_process_due["value"] = 1
+        if step == 10:
+            signal["pending"] = True
+        if step >= sched.next_step or clock() >= sched.next_time:
+            sched.run_due(None, step)
+    assert [len(c) for c in calls] == [Agreement.SLOTS + 2] * 3  # at steps 4, 8, 12
+    assert fired == [8, 12]  # locally never due (100 s); the other process said so at 8
+    assert stopped == [1]  # the signal seen at step 10 was agreed at step 12
+
+
+def test_agreement_interval_is_the_same_function_of_agreed_numbers():
+    from loopkit.scheduler import Agreement
+
+    clock = FakeClock()
+    a = Agreement(lambda v: v[:-1] + [500], lambda: False, lambda: None, clock, interval=10,
+                  target_secs=1.0)
+    a.decide(10, 1.0, [])
+    # 500 ms for 10 steps -> 50 ms/step -> 20 steps per second, capped at doubling
+    assert a.interval == 20 and a.next_step == 30
