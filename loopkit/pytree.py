@@ -93,3 +93,27 @@ def conform(state: PyTree, like: PyTree) -> PyTree:
     if len(got) != len(want) or set(got) != set(want):
         return state
     return jax.tree.unflatten(like_def, [got[p] for p in want])
+
+
+def _abstract_mesh(x: Any) -> bool:
+    mesh = getattr(getattr(x, "sharding", None), "mesh", None)
+    return mesh is not None and type(mesh).__name__ == "AbstractMesh"
+
+
+def concrete_like(init: Any, like: PyTree) -> PyTree:
+    """`like` (from `jax.eval_shape(init)`) with concrete shardings where it has abstract ones.
+
+    `eval_shape` knows a leaf's `NamedSharding` only over an `AbstractMesh`; a
+    backend restoring the leaf needs the real devices. Lowering and compiling
+    `init` (nothing is materialised) gives them.
+    """
+    if not any(_abstract_mesh(x) for x in jax.tree.leaves(like)):
+        return like
+    compiled = jax.jit(init).lower().compile().output_shardings
+
+    def fix(x: Any, sharding: Any) -> Any:
+        if not _abstract_mesh(x):
+            return x
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    return jax.tree.map(fix, like, compiled)

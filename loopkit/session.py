@@ -138,6 +138,14 @@ class Session:
 
     # -- what hooks and users call ---------------------------------------------------
 
+    @property
+    def clock(self) -> Callable[[], float]:
+        """The session's clock (`time.monotonic` unless a test injected one).
+
+        Timers and `stats` use it, so rates and shares computed with it agree.
+        """
+        return self._clock
+
     def host_metrics(self) -> dict[str, Any]:
         """The latest metrics as host values: floats for scalars, numpy arrays otherwise.
 

@@ -14,7 +14,7 @@ from loopkit.config import Config
 from loopkit.coordinator import Coordinator, LooperThread, add_note
 from loopkit.data import make_input
 from loopkit.manager import BUILTINS, make_plugin_manager
-from loopkit.pytree import abstract, check_matches, conform
+from loopkit.pytree import abstract, check_matches, concrete_like, conform
 from loopkit.scheduler import Agreement
 from loopkit.session import Session
 
@@ -186,7 +186,7 @@ class _ManagedSession:
 
     def _prepare(self, session: Session) -> None:
         init, hook = self.init, session.hook
-        like = jax.eval_shape(init) if callable(init) else abstract(init)
+        like = concrete_like(init, jax.eval_shape(init)) if callable(init) else abstract(init)
         restored = hook.restore_state(session=session, like=like)
         if restored is not None:
             session.restored = restored

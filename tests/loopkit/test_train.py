@@ -413,3 +413,22 @@ def test_on_stop_wrapper_runs_around_every_other_on_stop():
 
     loopkit.train(count_step, init=jnp.zeros(()), max_steps=1, plugins=[Plain(), Wrap()], **FAST)
     assert order == ["wrap-before", "plain", "wrap-after"]
+
+
+def test_restore_sees_concrete_shardings_for_a_sharded_callable_init():
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    mesh = jax.make_mesh((1,), ("data",))
+    replicated = NamedSharding(mesh, P())
+    seen = []
+
+    class Restore:
+        @loopkit.hookimpl
+        def restore_state(self, like):
+            seen.append(like["w"].sharding)
+            return None
+
+    loopkit.train(lambda s: (s, {}), init=lambda: {"w": jax.device_put(jnp.ones(3), replicated)},
+                  max_steps=1, plugins=[Restore()], **FAST)
+    assert isinstance(seen[0], NamedSharding)
+    assert type(seen[0].mesh).__name__ == "Mesh"  # real devices, not an AbstractMesh
