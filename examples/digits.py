@@ -70,7 +70,8 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=1000)
     args = parser.parse_args(argv)
     # loopkit logs progress on the "loopkit" logger; show it when stderr is not a terminal
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    logging.basicConfig(format="%(asctime)s %(message)s")
+    logging.getLogger("loopkit").setLevel(logging.INFO)
     (x_train, y_train), (x_test, y_test) = load()
 
     def init():

@@ -82,7 +82,8 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=600)
     args = parser.parse_args(argv)
     # loopkit logs progress on the "loopkit" logger; show it when stderr is not a terminal
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    logging.basicConfig(format="%(asctime)s %(message)s")
+    logging.getLogger("loopkit").setLevel(logging.INFO)
     common = dict(max_steps=args.steps, save_model_secs=60, save_summaries_secs=30,
                   progress=False)
 

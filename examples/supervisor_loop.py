@@ -32,7 +32,8 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=300)
     args = parser.parse_args(argv)
     # loopkit logs progress on the "loopkit" logger; show it when stderr is not a terminal
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    logging.basicConfig(format="%(asctime)s %(message)s")
+    logging.getLogger("loopkit").setLevel(logging.INFO)
 
     sv = loopkit.Supervisor(logdir=args.logdir, max_steps=args.steps, save_model_secs=30,
                             save_summaries_steps=25)

@@ -44,8 +44,28 @@ class Input:
         pass
 
 
-def make_input(data: Any, start_step: int, position: Any, restored: bool) -> Input:
-    """Open `data` at `start_step` (restoring `position` where the source supports it)."""
+def make_input(data: Any, start_step: int, position: Any, restored: bool,
+               sharding: Any = None) -> Input:
+    """Open `data` at `start_step` (restoring `position` where the source supports it).
+
+    With `sharding` (`Config.data_sharding`) each batch is this process's part of a
+    global batch, assembled with `jax.make_array_from_process_local_data` (the
+    `prefetch` plugin does this ahead of the step; without it, here).
+    """
+    inp = _open(data, start_step, position, restored)
+    if sharding is not None:
+        inp.iterator = (global_batch(sharding, b) for b in inp.source)
+    return inp
+
+
+def global_batch(sharding: Any, batch: Any) -> Any:
+    """This process's `batch` (a pytree) as part of a global array laid out by `sharding`."""
+    import jax
+
+    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), batch)
+
+
+def _open(data: Any, start_step: int, position: Any, restored: bool) -> Input:
     if callable(data) and not hasattr(data, "__iter__") and not hasattr(data, "__next__"):
         it = iter(data(start_step))
         return Input(it, "callable", start_step)

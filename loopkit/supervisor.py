@@ -207,7 +207,7 @@ class _ManagedSession:
             session.input = make_input(
                 self.data, session.step,
                 restored.data_position if restored is not None else None,
-                restored is not None,
+                restored is not None, session.config.data_sharding,
             )
         session._compile(protect_first_step=protect)
         max_steps = session.config.max_steps
@@ -223,7 +223,14 @@ class _ManagedSession:
                 lambda: session._coord.request_stop(reason="signal"), session._clock,
             ), session.step)
         session.stats.start_time = session._clock()
-        hook.session_create(session=session)
+        # Built-in services first, in BUILTINS order (pluggy alone would call the
+        # plugins registered after them first), so the summary writer and the
+        # checkpoint backend are ready in every other plugin's session_create.
+        pm = session.plugin_manager
+        builtins = [pm.get_plugin(n) for n in pm.builtin_names()]
+        others = [p for p in pm.get_plugins() if p not in builtins]
+        pm.subset_hook_caller("session_create", others)(session=session)
+        pm.subset_hook_caller("session_create", builtins)(session=session)
 
     # -- stopping ------------------------------------------------------------------------
 

@@ -1,0 +1,154 @@
+"""Real `jax.distributed` jobs on localhost (CPU, gloo): chief, agreement, preemption."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+WORKER = Path(__file__).parent / "workers" / "distributed_worker.py"
+TIMEOUT = 150  # a deadlock fails the test instead of hanging CI
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(logdir, out, n, steps, *extra, sleeps=None):
+    port = free_port()
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    procs = []
+    for i in range(n):
+        args = [sys.executable, str(WORKER), str(logdir), str(out / f"p{i}.npz"), str(n), str(i),
+                str(port), str(steps), *extra]
+        if sleeps:
+            args += ["--step-sleep", str(sleeps[i])]
+        # files, not pipes: a chatty process must never block on a full pipe
+        stdout = open(out / f"p{i}.{port}.out", "w+")
+        stderr = open(out / f"p{i}.{port}.err", "w+")
+        proc = subprocess.Popen(args, stdout=stdout, stderr=stderr, text=True, env=env)
+        proc.files = (stdout, stderr)
+        procs.append(proc)
+    return procs
+
+
+def _read(proc):
+    texts = []
+    for f in proc.files:
+        f.seek(0)
+        texts.append(f.read())
+    return texts
+
+
+def finish(procs):
+    outs = []
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        for p in procs:
+            p.wait(timeout=max(1, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p in procs:
+        out, err = _read(p)
+        outs.append((p.returncode, out, err))
+    for code, out, err in outs:
+        assert code == 0, f"exit {code}\n{out}\n{err[-3000:]}"
+    return outs
+
+
+def wait_ready(procs):
+    deadline = time.monotonic() + TIMEOUT
+    for p in procs:
+        while "READY" not in _read(p)[0]:
+            if p.poll() is not None or time.monotonic() > deadline:
+                for q in procs:
+                    q.kill()
+                out, err = _read(p)
+                pytest.fail(f"process did not start: exit {p.poll()}\n{out}\n{err[-3000:]}")
+            time.sleep(0.1)
+
+
+def load(path):
+    with np.load(path) as z:
+        return {k: z[k] for k in z.files}
+
+
+def events(logdir):
+    return sorted(Path(logdir).glob("events.out.tfevents.*"))
+
+
+def test_two_processes_train_resume_and_only_the_chief_writes(tmp_path):
+    full, half = tmp_path / "full", tmp_path / "half"
+    for d in (full, half):
+        d.mkdir()
+    finish(start(full, full, 2, 40, "--save-steps", "10"))
+    a0, a1 = load(full / "p0.npz"), load(full / "p1.npz")
+    np.testing.assert_array_equal(a0["w"], a1["w"])  # replicas agree
+    assert len(events(full)) == 1  # one writer: the chief
+    assert (full / "checkpoint").read_text().startswith('model_checkpoint_path: "model.ckpt-40"')
+
+    finish(start(half, half, 2, 20, "--save-steps", "10"))
+    outs = finish(start(half, half, 2, 40, "--save-steps", "10"))
+    assert all("RESULT 40 max_steps" in out for _, out, _ in outs)
+    b0 = load(half / "p0.npz")
+    np.testing.assert_array_equal(a0["w"], b0["w"])  # resumed == uninterrupted, bitwise
+    np.testing.assert_array_equal(a0["b"], b0["b"])
+
+    # a 2-process checkpoint resumes in 1 process (the job shrank after a preemption)
+    one = tmp_path / "one"
+    one.mkdir()
+    finish(start(half, one, 1, 50, "--save-steps", "10"))
+    c = load(one / "p0.npz")
+    assert int(c["step"]) == 50
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    finish(start(ref, ref, 2, 50, "--save-steps", "10"))
+    np.testing.assert_allclose(c["w"], load(ref / "p0.npz")["w"], rtol=1e-5, atol=1e-6)
+
+
+def test_sigterm_to_one_process_stops_both_at_one_agreed_step(tmp_path):
+    # time-based checkpoints on, and process 1 twice as slow as process 0
+    procs = start(tmp_path, tmp_path, 2, 100000, "--save-secs", "0.3",
+                  sleeps=[0.002, 0.004])
+    wait_ready(procs)
+    time.sleep(3)
+    procs[1].send_signal(signal.SIGTERM)
+    outs = finish(procs)
+    steps = {out.split("RESULT")[1].split()[0] for _, out, _ in outs}
+    assert len(steps) == 1, steps  # both stopped at the same step
+    assert all("signal" in out for _, out, _ in outs)
+    step = int(steps.pop())
+    text = (tmp_path / "checkpoint").read_text()
+    assert f'model_checkpoint_path: "model.ckpt-{step}"' in text  # one agreed final checkpoint
+    assert (tmp_path / f"model.ckpt-{step}").is_dir()
+
+
+def test_sigkill_of_both_and_restart_resumes(tmp_path):
+    procs = start(tmp_path, tmp_path, 2, 100000, "--save-steps", "20", sleeps=[0.001, 0.001])
+    wait_ready(procs)
+    deadline = time.time() + 60
+    while time.time() < deadline and not (tmp_path / "checkpoint").exists():
+        time.sleep(0.2)
+    time.sleep(0.5)
+    for p in procs:
+        p.kill()
+    for p in procs:
+        p.wait(timeout=30)
+    saved = (tmp_path / "checkpoint").read_text().split('"')[1]
+    saved_step = int(saved.rsplit("-", 1)[1])
+    assert saved_step >= 20
+    outs = finish(start(tmp_path, tmp_path, 2, saved_step + 20, "--save-steps", "20"))
+    assert all(f"READY {saved_step}" in out for _, out, _ in outs), outs
+    assert all(f"RESULT {saved_step + 20} max_steps" in out for _, out, _ in outs)
