@@ -1,7 +1,161 @@
-"""Built-in `summaries` (not written yet)."""
+"""Built-in `summaries`: the run's TensorBoard event file, written on the summary timer.
 
-INACTIVE = "not implemented yet"
+On the chief only, one tensorboardX `SummaryWriter` in `logdir` becomes
+`session.summary_writer`; every built-in and `session.summary_computed` write
+through it. On the summary timer (`save_summaries_secs` / `save_summaries_steps`)
+it writes the latest metrics under their own names, `summary_fn(state)`, and
+loopkit's own cost (`loopkit/overhead_frac`, `loopkit/checkpoint_blocking_secs`).
+A normal stop writes the final step unless the timer already did. See
+docs/summaries.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import TYPE_CHECKING, Any, Mapping
+
+import jax
+import numpy as np
+
+from loopkit.config import Config
+from loopkit.hookspec import hookimpl
+
+if TYPE_CHECKING:
+    from loopkit.session import Session
+
+__all__ = ["FLUSH_SECS", "SummariesPlugin", "config_markdown", "event_file_suffix",
+           "plugin", "write_values"]
+
+INACTIVE = "needs Config.logdir"
+
+#: How soon (seconds) tensorboardX's writer thread flushes events it was handed.
+#: The writer queues events to a thread; `flush()` only flushes what that thread
+#: has already written, so this bounds what a SIGKILL loses beyond the last summary.
+FLUSH_SECS = 1
 
 
-def plugin(config):
-    return None
+def event_file_suffix() -> str:
+    """A filename suffix that makes event-file names unique and sort in creation order.
+
+    tensorboardX names files ``events.out.tfevents.<secs>.<host><suffix>``. Two
+    writers started in the same second on one host differ only by the suffix,
+    and TensorBoard reads (and purges) a directory's files in name order, so
+    the suffix is the creation time in zero-padded nanoseconds (then the pid).
+    """
+    return f".{time.time_ns():020d}.{os.getpid()}"
+
+
+def write_values(writer: Any, values: Mapping[str, Any], step: int) -> None:
+    """Write host `values`: numeric scalars as scalars, numeric arrays as histograms,
+    anything else as text."""
+    for tag, value in values.items():
+        arr = np.asarray(value)
+        if arr.dtype.kind in "biuf":
+            if arr.ndim == 0:
+                writer.add_scalar(tag, float(arr), step)
+            else:
+                # np.histogram rejects NaN and inf: histogram the finite values
+                finite = arr[np.isfinite(arr)]
+                if finite.size:
+                    writer.add_histogram(tag, finite.astype(np.float64), step)
+        else:
+            writer.add_text(tag, value if isinstance(value, str) else repr(value), step)
+
+
+def config_markdown(config: Config) -> str:
+    """The run's Config as a Markdown table of field reprs (TensorBoard's Text tab)."""
+    rows = ["| field | value |", "|---|---|"]
+    for f in dataclasses.fields(config):
+        text = repr(getattr(config, f.name)).replace("|", "\\|").replace("`", "'")
+        rows.append(f"| {f.name} | `{text}` |")
+    return "\n".join(rows)
+
+
+class SummariesPlugin:
+    """Writes metrics, `summary_fn` output and loopkit's own cost to TensorBoard (chief only)."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.writer: Any = None
+        self._written_step: int | None = None
+        self._last_time = 0.0
+        self._last_busy = 0.0
+
+    @hookimpl
+    def session_create(self, session: Session) -> None:
+        if not session.is_chief:
+            return  # every process runs the same program; only the chief writes
+        from tensorboardX import SummaryWriter
+
+        cfg = self.config
+        restored = session.restored
+        # Every session starts with a SessionLog.START event (as the Supervisor's
+        # did): TensorBoard drops what earlier files hold at or past its step. A
+        # resumed run puts it just past the recovered step, hiding what a crashed
+        # run wrote after its checkpoint; a fresh run puts it at its start step.
+        # The server ignores a run's first START, so a fresh run must write one
+        # too, or the first restart would purge nothing. Purging reaches earlier
+        # files only: hence file names that sort in creation order.
+        purge_step = session.step if restored is None else int(restored.step) + 1
+        self.writer = SummaryWriter(
+            str(session.logdir), purge_step=purge_step, flush_secs=FLUSH_SECS,
+            max_queue=1024, filename_suffix=event_file_suffix(),
+        )
+        session.summary_writer = self.writer
+        self.writer.add_text("loopkit/config", config_markdown(cfg), session.step)
+        self.writer.flush()
+        self._written_step = session.step  # nothing to write before a step runs
+        self._last_time = session.clock()
+        self._last_busy = session.stats.overhead_secs()
+        secs, steps = cfg.save_summaries_secs, cfg.save_summaries_steps
+        if secs or steps:
+            session.every(self._write, secs=secs, steps=steps, name="summaries")
+
+    def _write(self, session: Session) -> None:
+        writer, step, stats = self.writer, session.step, session.stats
+        # Windows run from the start of one write to the start of the next: the
+        # time of the timer actions at a boundary lands in `stats` once they all
+        # returned, so it belongs to the window that starts at that boundary.
+        now, busy = session.clock(), stats.overhead_secs()
+        values = dict(session.host_metrics())  # the one cached conversion of this step
+        fn = self.config.summary_fn
+        if fn is not None:
+            extra = fn(session.state)
+            if not isinstance(extra, Mapping):
+                raise TypeError(
+                    f"Config.summary_fn={fn!r} returned {type(extra).__name__}: it must "
+                    "return a dict of tag -> value (scalar, array or str)"
+                )
+            # Fetch now, explicitly: the next step may donate the state these came from.
+            values.update(jax.device_get(dict(extra)))
+        write_values(writer, values, step)
+
+        if now > self._last_time:
+            frac = (busy - self._last_busy) / (now - self._last_time)
+            writer.add_scalar("loopkit/overhead_frac", frac, step)
+        self._last_time, self._last_busy = now, busy
+        if stats.checkpoint_blocking_secs is not None:
+            writer.add_scalar(
+                "loopkit/checkpoint_blocking_secs", float(stats.checkpoint_blocking_secs), step
+            )
+        writer.flush()
+        self._written_step = step
+
+    @hookimpl
+    def on_stop(self, session: Session, error: BaseException | None) -> None:
+        writer = self.writer
+        if writer is None:
+            return
+        try:
+            # A normal stop owes the final step, unless the timer just wrote it
+            # (at most one summary of a tag per step).
+            if error is None and session.step != self._written_step:
+                self._write(session)
+        finally:
+            writer.close()  # drains tensorboardX's queue and flushes
+
+
+def plugin(config: Config) -> SummariesPlugin | None:
+    return SummariesPlugin(config) if config.logdir is not None else None

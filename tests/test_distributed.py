@@ -152,3 +152,23 @@ def test_sigkill_of_both_and_restart_resumes(tmp_path):
     outs = finish(start(tmp_path, tmp_path, 2, saved_step + 20, "--save-steps", "20"))
     assert all(f"READY {saved_step}" in out for _, out, _ in outs), outs
     assert all(f"RESULT {saved_step + 20} max_steps" in out for _, out, _ in outs)
+
+
+def test_a_lagging_view_waits_for_the_chiefs_checkpoint(tmp_path):
+    """The poll a non-chief runs when the chief's checkpoint is not visible to it yet."""
+    import threading
+
+    import loopkit
+    from loopkit.plugins.checkpoint import CheckpointPlugin
+    from loopkit.plugins.npz_backend import NpzBackend
+
+    plugin = CheckpointPlugin(loopkit.Config(logdir=str(tmp_path), recovery_wait_secs=0.05))
+    plugin.backend, plugin._logdir = NpzBackend(tmp_path), tmp_path
+    writer = NpzBackend(tmp_path)
+    timer = threading.Timer(0.5, lambda: writer.save(5, {"x": np.zeros(2)}, {}))
+    timer.start()
+    started = time.monotonic()
+    plugin._wait_until_visible(5)
+    assert time.monotonic() - started >= 0.4
+    assert 5 in plugin._on_disk
+    timer.join()

@@ -1,0 +1,248 @@
+"""Helpers for scripts around a run: find, load, follow and list checkpoints.
+
+Re-exported as `loopkit.latest_checkpoint`, `loopkit.load_checkpoint` and
+`loopkit.checkpoints_iterator`; `describe_checkpoints` backs `loopkit checkpoints`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import jax
+
+from loopkit.plugins.checkpoint_state import (
+    DEFAULT_BASENAME,
+    NPZ_EXT,
+    on_disk,
+    read_state,
+    recovery_order,
+    split_name,
+)
+from loopkit.pytree import check_matches, conform
+
+__all__ = [
+    "checkpoints_iterator",
+    "describe_checkpoints",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "place_like",
+]
+
+PyTree = Any
+
+
+def _default_device() -> Any:
+    device = jax.config.jax_default_device
+    return device if device is not None and not isinstance(device, str) else jax.local_devices()[0]
+
+
+def place_like(like: PyTree) -> PyTree:
+    """`like` with a placement on every abstract leaf that has none.
+
+    `jax.eval_shape` gives leaves without a sharding; they get the default
+    device's `SingleDeviceSharding`. A sharding that is there, and concrete
+    leaves, are kept.
+    """
+    if like is None:
+        return None
+    sharding = None
+
+    def one(x: Any) -> Any:
+        nonlocal sharding
+        if isinstance(x, jax.ShapeDtypeStruct) and x.sharding is None:
+            if sharding is None:
+                sharding = jax.sharding.SingleDeviceSharding(_default_device())
+            return x.update(sharding=sharding)
+        return x
+
+    return jax.tree.map(one, like)
+
+
+def _basename(logdir: Path, basename: str | None) -> str:
+    if basename is not None:
+        return basename
+    state = read_state(logdir)
+    return state.basename if state is not None else DEFAULT_BASENAME
+
+
+def _recoverable(logdir: Path, basename: str | None) -> tuple[str, dict[int, Path], int | None]:
+    """(basename, checkpoints on disk, the step a restart would try first)."""
+    base = _basename(logdir, basename)
+    found = on_disk(logdir, base)
+    state = read_state(logdir, base)
+    first = next((s for s in recovery_order(state, set(found)) if s in found), None)
+    return base, found, first
+
+
+def latest_checkpoint(logdir: str | os.PathLike[str], *,
+                      basename: str | None = None) -> tuple[int, str] | None:
+    """``(step, path)`` of the checkpoint a restart would recover, or None.
+
+    Honours ``logdir/checkpoint`` (a hand edit picks the checkpoint); without
+    it, the newest checkpoint on disk. The path is absolute and has no backend
+    extension: `load_checkpoint` accepts it. (It does not read the data: a
+    corrupt checkpoint is found out only when loaded.)
+    """
+    logdir = Path(logdir).absolute()
+    base, _, step = _recoverable(logdir, basename)
+    return None if step is None else (step, str(logdir / f"{base}-{step}"))
+
+
+def _resolve(target: Path) -> tuple[Path, str, int]:
+    """(directory, basename, step) of a checkpoint path or of a logdir's latest."""
+    name = target.name[: -len(NPZ_EXT)] if target.name.endswith(NPZ_EXT) else target.name
+    parts = split_name(name)
+    if parts is not None:
+        ckpt = target.with_name(name)
+        is_npz = ckpt.with_name(name + NPZ_EXT).is_file()
+        if is_npz or (ckpt.is_dir() and latest_checkpoint(ckpt) is None):
+            return ckpt.parent, parts[0], parts[1]
+    found = latest_checkpoint(target)
+    if found is None:
+        raise FileNotFoundError(
+            f"no checkpoint at {target}: expected a logdir holding checkpoints, or a "
+            "checkpoint path such as runs/a/model.ckpt-1000"
+        )
+    return target, _basename(target, None), found[0]
+
+
+def _backend_for(directory: Path, basename: str, step: int) -> Any:
+    """The backend that wrote the checkpoint: ``<name>.npz`` is npz, ``<name>/`` orbax."""
+    name = f"{basename}-{step}"
+    if (directory / f"{name}{NPZ_EXT}").is_file():
+        from loopkit.plugins.npz_backend import NpzBackend
+
+        return NpzBackend(directory, basename)
+    if (directory / name).is_dir():
+        from loopkit.plugins.orbax_backend import OrbaxBackend
+
+        return OrbaxBackend(directory, basename)
+    raise ValueError(
+        f"checkpoint {directory / name} was not written by a built-in backend (npz writes "
+        f"{name}.npz, orbax {name}/): read it with the backend that wrote it, "
+        "backend.restore(step, like)"
+    )
+
+
+def load_checkpoint(logdir_or_path: str | os.PathLike[str], like: PyTree = None) -> PyTree:
+    """Load a checkpoint's state, for evaluation scripts.
+
+    `logdir_or_path` is a logdir (its latest checkpoint, as a restart would
+    pick) or a checkpoint path such as ``runs/a/model.ckpt-1000``. With `like`
+    (a pytree of arrays or `jax.ShapeDtypeStruct`), the state comes back in its
+    structure and placement and must match its shapes and dtypes (a
+    `ValueError` names the leaves that differ); without, as nested dicts keyed
+    by the path components (``state["params"]["w"]``, sequence indices as
+    ``"0"``, ``"1"``...).
+    """
+    directory, basename, step = _resolve(Path(logdir_or_path).absolute())
+    backend = _backend_for(directory, basename, step)
+    try:
+        state, _ = backend.restore(step, place_like(like))
+    finally:
+        backend.close()
+    if like is not None:
+        state = conform(state, like)
+        check_matches(state, like, f"checkpoint {directory / f'{basename}-{step}'}")
+    return state
+
+
+def checkpoints_iterator(logdir: str | os.PathLike[str], min_interval_secs: float = 0,
+                         timeout: float | None = None, *,
+                         poll_secs: float = 1.0) -> Iterator[tuple[int, str]]:
+    """Yield ``(step, path)`` for each new latest checkpoint of `logdir` as it appears.
+
+    As `tf.train.checkpoints_iterator`: polls every `poll_secs` (about once a
+    second); yields at most once per `min_interval_secs`; ends after `timeout`
+    seconds without a new checkpoint (None: never). A checkpoint that is
+    replaced by a newer one before a poll sees it is skipped.
+    """
+    last: tuple[int, str] | None = None
+    while True:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            found = latest_checkpoint(logdir)
+            if found is not None and found != last:
+                break
+            if deadline is not None and time.monotonic() + poll_secs > deadline:
+                return
+            time.sleep(poll_secs)
+        start = time.monotonic()
+        last = found
+        yield found
+        wait = start + min_interval_secs - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)
+
+
+def _size(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.stat(os.path.join(root, f)).st_size
+            except FileNotFoundError:  # deleted while we look
+                pass
+    return total
+
+
+def _human_size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover
+
+
+def _human_age(secs: float) -> str:
+    secs = max(0.0, secs)
+    if secs < 90:
+        return f"{secs:.0f} s ago"
+    if secs < 90 * 60:
+        return f"{secs / 60:.0f} min ago"
+    if secs < 36 * 3600:
+        return f"{secs / 3600:.1f} h ago"
+    return f"{secs / 86400:.1f} days ago"
+
+
+def describe_checkpoints(logdir: str | os.PathLike[str], *,
+                         basename: str | None = None) -> list[str]:
+    """One line per checkpoint in `logdir`, oldest first: name, step, size, age.
+
+    The one a restart would recover is marked ``<- latest``; one not named in
+    the `checkpoint` file's list (kept by ``keep_checkpoint_every_n_hours``, or
+    left behind by a restart from an older checkpoint) is marked ``(unlisted)``.
+    """
+    logdir = Path(logdir).absolute()
+    base, found, first = _recoverable(logdir, basename)
+    state = read_state(logdir, base)
+    listed = {s for s, _ in state.listed} if state is not None else set(found)
+    now = time.time()
+    rows = []
+    for step in sorted(found):
+        path = found[step]
+        try:
+            size, age = _size(path), now - path.stat().st_mtime
+        except FileNotFoundError:  # deleted by retention while we look
+            continue
+        marks = []
+        if step == first:
+            marks.append("<- latest (a restart recovers this one)")
+        elif step not in listed:
+            marks.append("(unlisted)")
+        rows.append((path.name, f"step {step}", _human_size(size), _human_age(age), marks))
+    if not rows:
+        return []
+    w0 = max(len(r[0]) for r in rows)
+    w1 = max(len(r[1]) for r in rows)
+    w2 = max(len(r[2]) for r in rows)
+    w3 = max(len(r[3]) for r in rows)
+    return [
+        f"{a:<{w0}}  {b:<{w1}}  {c:>{w2}}  {d:<{w3}}  {' '.join(m)}".rstrip()
+        for a, b, c, d, m in rows
+    ]

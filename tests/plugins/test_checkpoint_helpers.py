@@ -1,0 +1,193 @@
+"""latest_checkpoint, load_checkpoint, checkpoints_iterator and `loopkit checkpoints`."""
+
+from __future__ import annotations
+
+import collections
+import subprocess
+import sys
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import loopkit
+from loopkit.plugins.checkpoint_state import (
+    CheckpointState,
+    decode_position,
+    encode_position,
+    read_state,
+    write_state,
+)
+
+BACKENDS = ["orbax", "npz"]
+
+Opt = collections.namedtuple("Opt", ["count", "mu"])
+
+
+def init():
+    return {
+        "params": {"w": jnp.zeros((2, 3), jnp.float32), "b": jnp.zeros((3,), jnp.bfloat16)},
+        "layers": [jnp.zeros((2,), jnp.float32), jnp.zeros((), jnp.int32)],
+        "opt": Opt(jnp.zeros((), jnp.int32), jnp.zeros((3,), jnp.float32)),
+    }
+
+
+def step(state):
+    return jax.tree.map(lambda x: x + 1, state), {}
+
+
+def train(logdir, backend="npz", **kw):
+    kw.setdefault("save_model_secs", None)
+    return loopkit.train(step, init=init, logdir=logdir, checkpoint_backend=backend,
+                         progress=False, disable=("summaries",), autoload=False, **kw)
+
+
+def test_latest_checkpoint(tmp_path):
+    assert loopkit.latest_checkpoint(tmp_path) is None
+    assert loopkit.latest_checkpoint(tmp_path / "missing") is None
+    train(tmp_path, save_model_steps=2, max_steps=5)
+    assert loopkit.latest_checkpoint(tmp_path) == (5, str(tmp_path.absolute() / "model.ckpt-5"))
+    assert loopkit.latest_checkpoint(str(tmp_path))[0] == 5
+    # a hand edit of the checkpoint file picks the checkpoint
+    text = (tmp_path / "checkpoint").read_text()
+    (tmp_path / "checkpoint").write_text(text.replace('path: "model.ckpt-5"', 'path: "model.ckpt-2"'))
+    assert loopkit.latest_checkpoint(tmp_path) == (2, str(tmp_path.absolute() / "model.ckpt-2"))
+    # without the file: the newest on disk
+    (tmp_path / "checkpoint").unlink()
+    assert loopkit.latest_checkpoint(tmp_path)[0] == 5
+
+
+def test_latest_checkpoint_with_another_basename(tmp_path):
+    train(tmp_path, max_steps=3, checkpoint_basename="weights")
+    assert loopkit.latest_checkpoint(tmp_path) == (3, str(tmp_path.absolute() / "weights-3"))
+    (tmp_path / "checkpoint").unlink()
+    assert loopkit.latest_checkpoint(tmp_path) is None  # model.ckpt is the default name
+    assert loopkit.latest_checkpoint(tmp_path, basename="weights")[0] == 3
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_load_checkpoint(tmp_path, backend):
+    train(tmp_path, backend, save_model_steps=2, max_steps=3)
+    # without like: nested dicts keyed by the path components
+    state = loopkit.load_checkpoint(tmp_path)
+    assert set(state) == {"params", "layers", "opt"}
+    assert set(state["layers"]) == {"0", "1"} and set(state["opt"]) == {"count", "mu"}
+    np.testing.assert_array_equal(state["params"]["w"], np.full((2, 3), 3, np.float32))
+    assert np.asarray(state["params"]["b"]).dtype == jnp.bfloat16
+    assert int(state["opt"]["count"]) == 3
+    # a checkpoint path (with or without the npz extension) and a like
+    assert loopkit.latest_checkpoint(tmp_path)[0] == 3
+    path = str(tmp_path / "model.ckpt-2")
+    like = jax.eval_shape(init)
+    older = loopkit.load_checkpoint(path, like=like)
+    assert isinstance(older["opt"], Opt) and isinstance(older["layers"], list)
+    assert isinstance(older["params"]["w"], jax.Array)
+    assert int(older["layers"][1]) == 2
+    if backend == "npz":
+        assert int(loopkit.load_checkpoint(path + ".npz")["layers"]["1"]) == 2
+    # a like that does not match names the leaf
+    bad = {**like, "params": {**like["params"], "w": jax.ShapeDtypeStruct((4,), jnp.float32)}}
+    with pytest.raises(ValueError, match="params/w"):
+        loopkit.load_checkpoint(tmp_path, like=bad)
+
+
+def test_load_checkpoint_without_a_checkpoint(tmp_path):
+    with pytest.raises(FileNotFoundError, match=str(tmp_path)):
+        loopkit.load_checkpoint(tmp_path)
+
+
+def test_checkpoints_iterator_follows_a_running_training(tmp_path):
+    started = threading.Event()
+
+    def slow_step(state):
+        started.set()
+        time.sleep(0.02)
+        return jax.tree.map(lambda x: x + 1, state), {}
+
+    def trainer():
+        loopkit.train(slow_step, init=init, logdir=tmp_path, checkpoint_backend="npz",
+                      save_model_steps=5, save_model_secs=None, max_steps=30, jit=False,
+                      progress=False, disable=("summaries",), autoload=False)
+
+    t = threading.Thread(target=trainer)
+    t.start()
+    started.wait(60)
+    seen = []
+    for found in loopkit.checkpoints_iterator(tmp_path, timeout=1.0, poll_secs=0.05):
+        seen.append(found)
+        assert found[1] == str(tmp_path.absolute() / f"model.ckpt-{found[0]}")
+        # each one can be loaded while the training goes on
+        assert int(loopkit.load_checkpoint(found[1])["opt"]["count"]) == found[0]
+    t.join()
+    steps = [s for s, _ in seen]
+    assert steps == sorted(set(steps)) and steps[-1] == 30
+    assert set(steps) <= {5, 10, 15, 20, 25, 30} and len(steps) >= 2
+
+
+def test_checkpoints_iterator_timeout_and_min_interval(tmp_path):
+    t0 = time.monotonic()
+    assert list(loopkit.checkpoints_iterator(tmp_path, timeout=0.2, poll_secs=0.05)) == []
+    assert time.monotonic() - t0 >= 0.2 - 0.05
+    train(tmp_path, max_steps=2)
+    it = loopkit.checkpoints_iterator(tmp_path, min_interval_secs=0.3, timeout=0.1,
+                                      poll_secs=0.05)
+    assert next(it)[0] == 2
+    assert list(it) == []  # nothing new: ends after the timeout
+
+
+def test_cli_lists_checkpoints_and_marks_the_one_a_restart_recovers(tmp_path):
+    train(tmp_path, "npz", save_model_steps=2, max_steps=6, max_to_keep=None)
+    train(tmp_path / "orbax", "orbax", max_steps=1)
+
+    def cli(logdir):
+        return subprocess.run([sys.executable, "-m", "loopkit", "checkpoints", str(logdir)],
+                              capture_output=True, text=True, timeout=120)
+
+    out = cli(tmp_path)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert [ln.split()[0] for ln in lines] == [f"model.ckpt-{s}.npz" for s in (2, 4, 6)]
+    assert [ln.split()[2] for ln in lines] == ["2", "4", "6"]
+    assert all("KiB" in ln and " ago" in ln for ln in lines)
+    assert [("<- latest" in ln) for ln in lines] == [False, False, True]
+
+    text = (tmp_path / "checkpoint").read_text()
+    (tmp_path / "checkpoint").write_text(text.replace('path: "model.ckpt-6"', 'path: "model.ckpt-4"'))
+    lines = cli(tmp_path).stdout.splitlines()
+    assert [("<- latest" in ln) for ln in lines] == [False, True, False]
+
+    lines = cli(tmp_path / "orbax").stdout.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("model.ckpt-1 ") and "<- latest" in lines[0]
+
+    empty = cli(tmp_path / "empty")
+    assert empty.returncode == 1 and "no checkpoints" in empty.stderr
+
+
+def test_the_checkpoint_file_round_trips_in_tf_format(tmp_path):
+    state = CheckpointState(latest=20, listed=[(10, 1.5), (20, 2.5)], last_preserved_timestamp=1.0)
+    write_state(tmp_path, state)
+    text = (tmp_path / "checkpoint").read_text()
+    assert text.splitlines()[:3] == [
+        'model_checkpoint_path: "model.ckpt-20"',
+        'all_model_checkpoint_paths: "model.ckpt-10"',
+        'all_model_checkpoint_paths: "model.ckpt-20"',
+    ]
+    assert read_state(tmp_path) == state
+    # absolute paths inside the logdir, as tf.train may write them, are understood
+    (tmp_path / "checkpoint").write_text(
+        f'model_checkpoint_path: "{tmp_path.absolute()}/model.ckpt-7"\n'
+        f'all_model_checkpoint_paths: "{tmp_path.absolute()}/model.ckpt-7"\n')
+    assert read_state(tmp_path).latest == 7 and read_state(tmp_path).listed == [(7, None)]
+
+
+def test_input_positions_round_trip_through_json():
+    pos = {"i": np.int64(3), "blob": b"\x00\xff", "xs": (1, 2.5, None), "arr": np.arange(2)}
+    enc = encode_position(pos)
+    assert enc["blob"] == {"__loopkit_bytes__": "AP8="}
+    assert decode_position(enc) == {"i": 3, "blob": b"\x00\xff", "xs": [1, 2.5, None],
+                                    "arr": [0, 1]}
+    with pytest.raises(TypeError, match=r"input position.*\['f'\]"):
+        encode_position({"f": object()})
