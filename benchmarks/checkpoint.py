@@ -1,0 +1,250 @@
+"""Checkpoint I/O: the built-in backends against the raw write and read of the same bytes.
+
+    python benchmarks/checkpoint.py [--mb 256] [--repeats 3] [--dir DIR]
+                                    [--orbax KEY=VALUE ...] [--only orbax|npz]
+
+On a state of ``--mb`` MB of float32 jax arrays (a few big matrices, many small
+vectors, random data so nothing compresses away), each repeat measures:
+
+1. orbax async: how long `save` holds the training thread;
+2. synchronous saves: npz `save`, and orbax `save` followed by `wait`;
+3. the raw write of the same bytes (``np.save`` of each leaf into one file +
+   ``fsync``): the physical limit on this disk;
+4. the time until the orbax save is committed (durable: fsynced, renamed,
+   directory fsynced);
+5. restore time (into jax arrays, like the training state) against a raw read
+   of the raw file (``np.load`` of each leaf), both from a cold page cache:
+   ``echo 3 > /proc/sys/vm/drop_caches`` when allowed, else
+   ``posix_fadvise(DONTNEED)`` on every file read (which drops this guest's
+   cached pages of those files; the host under a VM may still cache them).
+
+Medians over the repeats; the first save of each backend (imports, thread pools)
+is a warm-up and not counted. ``--orbax use_compression=True`` and the like
+pass options to `OrbaxBackend` to compare settings. For comparison, rows
+"plain orbax" time orbax's own `AsyncCheckpointer` with orbax's defaults
+(compressed zarr, no fsync).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from loopkit.pytree import abstract  # noqa: E402
+from loopkit.plugins.npz_backend import NpzBackend  # noqa: E402
+from loopkit.plugins.orbax_backend import OrbaxBackend  # noqa: E402
+
+
+def make_state(mb: int) -> dict:
+    """``mb`` MB of float32: 8 big matrices (95%) and 64 small vectors, random values."""
+    rng = np.random.default_rng(0)
+    big = int(mb * 0.95 * 2**20 / 4 / 8 / 1024)
+    small = int(mb * 0.05 * 2**20 / 4 / 64)
+    state = {"layers": [{"w": rng.standard_normal((big, 1024), np.float32)} for _ in range(8)],
+             "norms": {f"n{i}": rng.standard_normal(small, np.float32) for i in range(64)},
+             "step": np.int32(0)}
+    return jax.tree.map(jnp.asarray, state)
+
+
+def nbytes(state) -> int:
+    return sum(x.nbytes for x in jax.tree.leaves(state))
+
+
+def files_under(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path]
+    return [Path(r) / f for r, _, fs in os.walk(path) for f in fs]
+
+
+def drop_cache(paths: list[Path]) -> str:
+    """Empty the page cache of ``paths``; says how ("drop_caches", "fadvise")."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return "drop_caches"
+    except OSError:
+        pass
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return "fadvise"
+
+
+def raw_write(state, path: Path) -> float:
+    leaves = [np.asarray(x) for x in jax.tree.leaves(state)]
+    t = time.perf_counter()
+    with open(path, "wb") as f:
+        for leaf in leaves:
+            np.save(f, leaf)
+        f.flush()
+        os.fsync(f.fileno())
+    return time.perf_counter() - t
+
+
+def raw_read(path: Path, count: int) -> float:
+    t = time.perf_counter()
+    with open(path, "rb") as f:
+        out = [np.load(f) for _ in range(count)]
+    assert sum(a.nbytes for a in out) > 0
+    return time.perf_counter() - t
+
+
+def timed_restore(backend, step: int, like, path: Path) -> tuple[float, str]:
+    how = drop_cache(files_under(path))
+    t = time.perf_counter()
+    state, _ = backend.restore(step, like)
+    jax.block_until_ready(state)
+    return time.perf_counter() - t, how
+
+
+def run(args) -> dict[str, list[float]]:
+    state = make_state(args.mb)
+    jax.block_until_ready(state)
+    like = abstract(state)
+    count = len(jax.tree.leaves(state))
+    root = Path(tempfile.mkdtemp(prefix="loopkit-ckpt-bench-", dir=args.dir))
+    res: dict[str, list[float]] = {}
+    how = "?"
+
+    def add(key: str, value: float) -> None:
+        res.setdefault(key, []).append(value)
+
+    def restore(key: str, backend, step: int) -> None:
+        # The disk (a VM's, shared) is noisy: each restore gets its own raw read,
+        # just before it, as the reference for its ratio.
+        drop_cache([raw])
+        add(f"raw read, just before {key}", raw_read(raw, count))
+        add(key, timed_restore(backend, step, like, backend.path(step))[0])
+
+    try:
+        orbax = OrbaxBackend(root / "orbax", **args.orbax) if args.only != "npz" else None
+        npz = NpzBackend(root / "npz") if args.only != "orbax" else None
+        raw = root / "raw.npy"
+        plain = None
+        if orbax is not None:  # orbax alone, its defaults, no fsync: for comparison
+            import orbax.checkpoint as ocp
+
+            plain = ocp.AsyncCheckpointer(ocp.PyTreeCheckpointHandler())
+            plain.save(root / "plain-0", args=ocp.args.PyTreeSave(state))
+            plain.wait_until_finished()
+        for backend in (orbax, npz):  # warm-up saves, not counted
+            if backend is not None:
+                backend.save(0, state, {"step": 0})
+                backend.wait()
+        for r in range(1, args.repeats + 1):
+            add("raw write + fsync", raw_write(state, raw))
+            how = drop_cache([raw])
+            add("raw read", raw_read(raw, count))
+            if orbax is not None:
+                t = time.perf_counter()
+                orbax.save(r, state, {"step": r})
+                add("orbax async: save() blocks", time.perf_counter() - t)
+                orbax.wait()
+                add("orbax: committed (durable)", time.perf_counter() - t)
+                restore("orbax restore", orbax, r)
+                orbax.delete(r)
+                t = time.perf_counter()
+                plain.save(root / f"plain-{r}", args=ocp.args.PyTreeSave(state))
+                add("plain orbax async: save() blocks", time.perf_counter() - t)
+                plain.wait_until_finished()
+                add("plain orbax: written (no fsync)", time.perf_counter() - t)
+                shutil.rmtree(root / f"plain-{r}")
+            if npz is not None:
+                t = time.perf_counter()
+                npz.save(r, state, {"step": r})
+                add("npz save (sync, durable)", time.perf_counter() - t)
+                restore("npz restore", npz, r)
+                npz.delete(r)
+        for backend in (orbax, npz, plain):
+            if backend is not None:
+                backend.close()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    res["_cache"] = how  # type: ignore[assignment]
+    return res
+
+
+def machine() -> str:
+    def sh(cmd: str) -> str:
+        try:
+            return subprocess.run(cmd, shell=True, capture_output=True, text=True).stdout.strip()
+        except OSError:
+            return "?"
+
+    cpu = sh("grep -m1 'model name' /proc/cpuinfo | cut -d: -f2").strip()
+    mem = sh("free -h | awk '/Mem:/ {print $2}'")
+    disk = sh(f"df -h {tempfile.gettempdir()} | awk 'NR==2 {{print $1\" \"$2}}'")
+    return (f"{platform.platform()}, python {platform.python_version()}, jax {jax.__version__}, "
+            f"{os.cpu_count()} CPUs ({cpu}), {mem} RAM, disk {disk}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--mb", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dir", default=None, help="where to write (default: the temp dir)")
+    p.add_argument("--only", choices=("orbax", "npz"), default=None)
+    p.add_argument("--orbax", action="append", default=[], metavar="KEY=VALUE",
+                   help="an OrbaxBackend option, e.g. use_compression=True")
+    args = p.parse_args()
+    args.orbax = {k: ast.literal_eval(v) for k, _, v in (o.partition("=") for o in args.orbax)}
+
+    import orbax.checkpoint as ocp
+
+    print(machine())
+    print(f"orbax-checkpoint {ocp.__version__}, options {args.orbax or 'loopkit defaults'}")
+    res = run(args)
+    how = res.pop("_cache")
+    mb = args.mb
+
+    def ratio(key: str) -> float:
+        """Median over repeats of key / its reference measured in the same repeat."""
+        ref = f"raw read, just before {key}"
+        if ref not in res:
+            ref = "raw read" if "read" in key else "raw write + fsync"
+        return statistics.median(v / r for v, r in zip(res[key], res[ref]))
+
+    print(f"\nstate {mb} MB, median of {args.repeats}; cold reads via {how}; ratio: median of "
+          "per-repeat ratios to the raw write of that repeat, or to the raw read made just "
+          "before that restore\n")
+    print(f"{'':42} {'seconds':>9} {'MB/s':>8}  ratio{'':13} every repeat (s)")
+    for key, values in res.items():
+        sec = statistics.median(values)
+        ref = "raw read" if ("restore" in key or "read" in key) else "raw write"
+        every = " ".join(f"{v:.3f}" for v in values)
+        print(f"{key:42} {sec:9.4f} {mb / sec:8.0f}  {ratio(key):5.2f}x {ref:9}  {every}")
+    if "orbax async: save() blocks" in res:
+        block = ratio("orbax async: save() blocks")
+        commit = ratio("orbax: committed (durable)")
+        restore = ratio("orbax restore")
+        print("\ngoals (issue 4):")
+        print(f"  save() blocks <= 5% of raw write+fsync: {100 * block:.1f}%"
+              f" {'ok' if block <= 0.05 else 'MISSED'}")
+        print(f"  committed within 2x raw write+fsync: {commit:.2f}x"
+              f" {'ok' if commit <= 2 else 'MISSED'}")
+        print(f"  restore within 1.5x raw read: {restore:.2f}x"
+              f" {'ok' if restore <= 1.5 else 'MISSED'}")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,354 @@
+"""The `orbax` checkpoint backend: asynchronous, multi-process, atomic and durable.
+
+A checkpoint is the directory ``<directory>/<basename>-<step>/``, an ordinary
+orbax PyTree checkpoint (OCDBT, zarr3, uncompressed) of the state's arrays as
+nested dicts keyed by the path components. Its ``custom_metadata`` holds JSON:
+the caller's metadata and one record per leaf (path, kind, dtype, shape), the
+same records as the `npz` backend's, so Python scalars, strings, None leaves and
+empty arrays (which orbax cannot store) are kept inline, and `structure` reads
+no array data.
+
+Committing. orbax writes under ``<name>.orbax-checkpoint-tmp`` (never listed)
+and publishes by a rename, but does not fsync its metadata files (tensorstore
+syncs only its own). The temporary-path class given to orbax (`_DurableRename`)
+finishes the orbax commit differently: every file and directory of the tree is
+fsynced, then the rename publishes it, then the parent directory is fsynced.
+orbax runs that on the primary process after every process's writes are done
+(its own barriers).
+
+Asynchrony, and what it relies on. orbax's own `AsyncCheckpointer.save` blocks
+the caller for: the previous save, a start barrier, creating the temporary
+directory and its metadata file, a device-to-host copy of every jax array
+(``np.asarray`` per shard: all arrays are "prioritized"), a deep copy of numpy
+leaves, and a fresh asyncio loop and thread (15-30 ms on a busy 2-core machine
+for 256 MB). Of these only the host copy protects against donation, and the
+loop makes it unnecessary: after a save it runs the next step without donation
+(`Session.skip_donation_once`), so that step writes fresh buffers, later steps
+donate only those, and the saved buffers stay valid and unchanged for as long as
+this backend holds them (jax arrays are immutable; on CPU, XLA also refuses to
+donate a buffer a numpy view references). So `save` only flattens the tree,
+copies numpy leaves (those the caller could mutate in place), and hands the
+rest -- the host copy, orbax's save, fsyncs, rename -- to one background thread,
+which runs a synchronous orbax `Checkpointer`. Its barriers go through the
+jax.distributed client (``active_processes`` set), not orbax's default device
+collectives, which in a background thread would interleave with the training
+step's own collectives in a different order on each process; every process
+starts its saves in the same order, so the barriers line up. At most one save
+is in flight; `wait` joins it and re-raises its error, chained. A
+caller that donates the state's buffers to the very next step without that
+guarantee gets a failed save (jax raises for a deleted array), not a corrupt one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence
+
+import jax
+import numpy as np
+
+from loopkit.errors import CheckpointError
+from loopkit.fs import fsync_dir, fsync_tree
+from loopkit.pytree import conform
+from loopkit.plugins.npz_backend import (
+    check_records, host_value, leaf_records, like_leaves, nest, placement,
+    put, record_struct, remove_stale, saving_lock,
+)
+
+if TYPE_CHECKING:
+    from loopkit.config import Config
+
+__all__ = ["OrbaxBackend"]
+
+_KEY = "loopkit"
+_VERSION = 1
+_TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's, see atomicity_types.TMP_DIR_SUFFIX
+
+
+def _durable_rename_class() -> type:
+    """orbax's atomic-rename temporary path, with fsyncs around the rename."""
+    import orbax.checkpoint as ocp
+    from orbax.checkpoint._src.metadata import checkpoint as step_metadata
+
+    class _DurableRename(ocp.path.atomicity.AtomicRenameTemporaryPath):
+        async def finalize(self) -> None:
+            tmp, final = Path(self.get()), Path(self.get_final())
+            store = getattr(self, "_checkpoint_metadata_store", None)
+            if store is not None:  # what orbax's own finalize records
+                store.wait_until_finished()
+                store.update(file_path=step_metadata.step_metadata_file_path(tmp),
+                             commit_timestamp_nsecs=time.time_ns())
+                store.wait_until_finished()
+            fsync_tree(tmp)
+            os.rename(tmp, final)
+            fsync_dir(final.parent)
+
+    return _DurableRename
+
+
+class OrbaxBackend:
+    """Stores each step's state as the orbax checkpoint ``<basename>-<step>/`` in ``directory``.
+
+    Asynchronous: `save` hands the write to a background thread and returns;
+    `wait` blocks until it is committed. The keyword options go to orbax's
+    `PyTreeCheckpointHandler`; the defaults are the fastest measured here
+    (benchmarks/README.md, "Checkpoint I/O").
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], basename: str = "model.ckpt",
+                 config: Config | None = None, *, use_ocdbt: bool = True,
+                 use_zarr3: bool = True, use_compression: bool = False,
+                 save_concurrent_gb: int | None = None,
+                 restore_concurrent_gb: int | None = None) -> None:
+        import orbax.checkpoint as ocp
+
+        self.directory = Path(directory)
+        self.basename = basename
+        self.config = config
+        self._name = re.compile(re.escape(basename) + r"-(0|[1-9][0-9]*)")
+        self._stale = re.compile(
+            r"\.?" + re.escape(basename) + r"-[0-9]+(" + re.escape(_TMP_SUFFIX) + r".*|\.replaced)")
+        path_class = _durable_rename_class()
+
+        # Barriers through the jax.distributed client, not orbax's default device
+        # collectives: the save runs in a background thread, and a device collective
+        # there would interleave with the training step's own collectives in a
+        # different order on each process (gloo aborts: "collective mismatch").
+        multiprocessing = ocp.options.MultiprocessingOptions(
+            active_processes=set(range(jax.process_count())) if jax.process_count() > 1
+            else None)
+
+        def checkpointer() -> Any:
+            return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(
+                use_ocdbt=use_ocdbt, use_zarr3=use_zarr3, use_compression=use_compression,
+                save_concurrent_gb=save_concurrent_gb,
+                restore_concurrent_gb=restore_concurrent_gb,
+                multiprocessing_options=multiprocessing), temporary_path_class=path_class,
+                multiprocessing_options=multiprocessing)
+
+        self._saver = checkpointer()   # used by the save thread only
+        self._reader = checkpointer()  # used by the caller's thread only
+        self._primary = ocp.multihost.is_primary_host(0)
+        self._thread: threading.Thread | None = None
+        self._pending: int | None = None  # the step of the save in flight
+        self._error: BaseException | None = None
+        remove_stale(self.directory, self._stale)
+
+    def path(self, step: int) -> Path:
+        """The directory of ``step``: ``<directory>/<basename>-<step>``."""
+        return self.directory / f"{self.basename}-{int(step)}"
+
+    # -- writing --
+
+    def save(self, step: int, state: Any, metadata: dict) -> None:
+        """Start saving ``state`` and ``metadata`` as ``step`` in the background."""
+        self.wait()  # at most one save in flight; surfaces the last one's error
+        step = int(step)
+        records, leaves = leaf_records(state)
+        arrays: list[tuple[list[str], Any]] = []
+        names: dict[str, str] = {}
+        for rec, leaf in zip(records, leaves):
+            if leaf is None or 0 in rec["shape"]:
+                continue  # inline, or empty: orbax cannot store zero-size arrays
+            path = rec["path"] or ["state"]
+            name = ".".join(path)  # orbax names arrays by their keys joined with "."
+            if name in names:
+                raise ValueError(f"checkpoint leaves {names[name]!r} and {'/'.join(path)!r} "
+                                 f"would both be stored by orbax as {name!r}")
+            names[name] = "/".join(path)
+            if not isinstance(leaf, jax.Array):
+                leaf = np.array(leaf)  # a copy: numpy arrays can change under the writer
+            elif leaf.is_deleted():
+                raise ValueError(f"checkpoint leaf {names[name]!r} was deleted (donated?)")
+            arrays.append((path, leaf))
+        tree = nest([{"path": p} for p, _ in arrays], [a for _, a in arrays]) if arrays else {}
+        if not tree:
+            tree = {"__empty__": np.zeros((1,), np.uint8)}  # orbax needs one array
+        custom = {_KEY: {"version": _VERSION, "step": step, "metadata": metadata,
+                         "leaves": records}}
+        try:
+            json.dumps(custom)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"checkpoint metadata must be JSON-able: {e}") from None
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._pending = step
+        self._thread = threading.Thread(target=self._write, args=(self.path(step), tree, custom),
+                                        name=f"loopkit-orbax-save-{step}")
+        self._thread.start()
+
+    def _write(self, final: Path, tree: Any, custom: dict) -> None:
+        """The background part of a save: host copy, orbax's write, fsyncs, rename."""
+        import orbax.checkpoint as ocp
+
+        try:
+            with saving_lock(self.directory):
+                trash = final.with_name(f".{final.name}.replaced")
+                if self._primary and final.exists():
+                    # Replacing a step: move the old one aside (atomically: a reader
+                    # never meets a half-removed tree); orbax refuses to write over a
+                    # directory. Other processes look only after orbax's start barrier.
+                    # Removed once the new one is committed.
+                    shutil.rmtree(trash, ignore_errors=True)
+                    os.rename(final, trash)
+                    fsync_dir(self.directory)
+                self._saver.save(final, args=ocp.args.PyTreeSave(tree), custom_metadata=custom)
+                if self._primary:
+                    shutil.rmtree(trash, ignore_errors=True)
+        except BaseException as e:  # re-raised by wait(), in the caller's thread
+            self._error = e
+
+    def wait(self) -> None:
+        """Block until the save in flight is committed; re-raise its error, chained."""
+        thread, step = self._thread, self._pending
+        if thread is None:
+            return
+        thread.join()
+        self._thread = self._pending = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise CheckpointError(f"saving checkpoint {self.path(step)} failed: {error}") from error
+
+    def close(self) -> None:
+        """Wait for the save in flight, then release orbax's resources."""
+        try:
+            self.wait()
+        finally:
+            self._saver.close()
+            self._reader.close()
+
+    # -- listing --
+
+    def steps(self) -> list[int]:
+        """The committed steps, ascending (a save in flight is listed after `wait`)."""
+        try:
+            entries = list(os.scandir(self.directory))
+        except FileNotFoundError:
+            return []
+        found = {int(m.group(1)) for e in entries
+                 if (m := self._name.fullmatch(e.name)) and e.is_dir(follow_symlinks=False)}
+        thread = self._thread
+        if thread is not None and (thread.is_alive() or self._error is not None):
+            found.discard(self._pending)  # maybe renamed, but not known to be durable yet
+        return sorted(found)
+
+    def delete(self, step: int) -> None:
+        """Remove the checkpoint of ``step`` (nothing happens when there is none)."""
+        if self._pending == step:
+            self.wait()
+        path = self.path(step)
+        if not path.exists():
+            return
+        # Rename first: a half-removed tree must never look like a checkpoint.
+        trash = path.with_name(f".{path.name}.replaced")
+        shutil.rmtree(trash, ignore_errors=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.rename(path, trash)
+            fsync_dir(self.directory)
+        shutil.rmtree(trash, ignore_errors=True)
+
+    # -- reading --
+
+    def _records(self, step: int) -> tuple[list[dict], dict]:
+        """The leaf records and caller metadata of ``step``, from orbax's step metadata."""
+        path = self.path(step)
+        if not path.is_dir():
+            raise FileNotFoundError(f"no orbax checkpoint for step {step}: {path}")
+        try:
+            # orbax's step metadata file, read directly: `Checkpointer.metadata`
+            # also parses the whole tree's metadata (30 ms for 70 leaves).
+            from orbax.checkpoint._src.metadata import checkpoint as step_metadata
+
+            with open(step_metadata.step_metadata_file_path(path), "rb") as f:
+                head = json.load(f)["custom_metadata"][_KEY]
+            if head.get("version") != _VERSION:
+                raise ValueError(f"format version {head.get('version')!r}, "
+                                 f"this loopkit reads {_VERSION}")
+        except Exception as e:
+            raise CheckpointError(f"checkpoint {path} cannot be read: {e}") from e
+        return check_records(head.get("leaves"), str(path)), head.get("metadata") or {}
+
+    def _read(self, step: int, records: list[dict], like: dict[str, Any],
+              partial: bool = False) -> list[Any]:
+        """Read the arrays of ``records`` (None for inline ones), placed by ``like``."""
+        import orbax.checkpoint as ocp
+
+        stored, args, puts = [], [], {}
+        for rec in records:
+            struct = record_struct(rec)
+            if rec["kind"] in ("none", "py") or 0 in struct.shape:
+                continue
+            as_jax, sharding = placement(like.get("/".join(rec["path"])), struct.shape, struct.dtype)
+            name = "/".join(rec["path"] or ["state"])
+            if as_jax and sharding is not None and not sharding.is_fully_addressable:
+                # orbax reads only this process's shards
+                arg = ocp.ArrayRestoreArgs(sharding=sharding, global_shape=struct.shape)
+            else:
+                # This process needs every byte anyway: read to the host and place it
+                # here (orbax's jax path fills a zeroed host buffer, then copies it
+                # to the device; a few % slower, measured).
+                arg = ocp.RestoreArgs(restore_type=np.ndarray)
+                if as_jax:
+                    puts[name] = sharding
+            stored.append({"path": rec["path"] or ["state"]})
+            args.append(arg)
+        values: dict[str, Any] = {}
+        if stored:
+            path = self.path(step)
+            target = nest(stored, args)
+            try:
+                tree = self._reader.restore(path, args=ocp.args.PyTreeRestore(
+                    item=target if partial else None, restore_args=target,
+                    partial_restore=partial))
+            except Exception as e:
+                raise CheckpointError(f"checkpoint {path} cannot be read: {e}") from e
+            for rec in stored:
+                node = tree
+                for key in rec["path"]:
+                    node = node[key]
+                name = "/".join(rec["path"])
+                values[name] = put(node, puts[name]) if name in puts else node
+        out = []
+        for rec in records:
+            struct = record_struct(rec)
+            if rec["kind"] in ("none", "py"):
+                out.append(host_value(rec, None))
+            elif 0 in struct.shape:  # not in orbax: made here, placed like the others
+                empty = np.zeros(struct.shape, struct.dtype)
+                as_jax, sharding = placement(like.get("/".join(rec["path"])), struct.shape, struct.dtype)
+                out.append(put(empty, sharding) if as_jax else host_value(rec, empty))
+            else:
+                value = values["/".join(rec["path"] or ["state"])]
+                out.append(value[()] if rec["kind"] == "npscalar" else value)
+        return out
+
+    def restore(self, step: int, like: Any = None) -> tuple[Any, dict]:
+        """The state of ``step`` as stored (placed like ``like`` where shapes match), and its metadata."""
+        if self._pending == step:
+            self.wait()
+        records, metadata = self._records(step)
+        values = self._read(step, records, like_leaves(like))
+        state = nest(records, values)
+        return (state if like is None else conform(state, like)), metadata
+
+    def structure(self, step: int) -> dict[str, Any]:
+        """Leaf path -> shape and dtype of every leaf of ``step``, without reading array data."""
+        records, _ = self._records(step)
+        return {"/".join(r["path"]): s for r in records if (s := record_struct(r)) is not None}
+
+    def restore_leaves(self, step: int, paths: Sequence[str]) -> dict[str, Any]:
+        """Read only the leaves at ``paths`` (orbax partial restore)."""
+        records, _ = self._records(step)
+        wanted = set(paths)
+        chosen = [r for r in records if "/".join(r["path"]) in wanted and r["kind"] != "none"]
+        missing = wanted - {"/".join(r["path"]) for r in chosen}
+        if missing:
+            raise KeyError(f"checkpoint {self.path(step)} has no leaves {sorted(missing)}")
+        values = self._read(step, chosen, {}, partial=True)
+        return {"/".join(r["path"]): v for r, v in zip(chosen, values)}
