@@ -270,6 +270,9 @@ class NpzBackend:
     `restore` with ``like=None`` returns nested dicts keyed by the path components.
     """
 
+    #: how members are stored in the zip (a subclass may choose `zipfile.ZIP_DEFLATED`)
+    compression = zipfile.ZIP_STORED
+
     def __init__(self, directory: str | os.PathLike[str], basename: str = "model.ckpt",
                  config: Config | None = None) -> None:
         self.directory = Path(directory)
@@ -317,7 +320,7 @@ class NpzBackend:
         with saving_lock(self.directory):
             try:
                 with open(tmp, "wb") as f:
-                    with zipfile.ZipFile(f, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
+                    with zipfile.ZipFile(f, "w", self.compression, allowZip64=True) as zf:
                         for name, arr in [(_META_MEMBER, blob), *members]:
                             with zf.open(name + ".npy", "w", force_zip64=True) as out:
                                 np.lib.format.write_array(out, arr, allow_pickle=False)

@@ -34,10 +34,24 @@ from loopkit.pytree import check_matches, conform
 from loopkit.plugins.npz_backend import NpzBackend
 from loopkit.plugins.orbax_backend import OrbaxBackend
 
+
+def _example_plugin_backend() -> type:
+    """The backend of examples/plugin-package, loaded from its source file."""
+    import importlib.util
+
+    path = (Path(__file__).resolve().parents[2] / "examples" / "plugin-package"
+            / "loopkit_example_plugin" / "backend.py")
+    spec = importlib.util.spec_from_file_location("loopkit_example_plugin_backend", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.CompressedNpzBackend
+
+
 #: name -> factory(directory) for every backend the contract runs against
 FACTORIES: dict[str, Callable[[Path], Any]] = {
     "orbax": lambda d: OrbaxBackend(d),
     "npz": lambda d: NpzBackend(d),
+    "npz-compressed (example plugin)": lambda d: _example_plugin_backend()(d),
 }
 
 Point = collections.namedtuple("Point", "x y")
