@@ -190,7 +190,7 @@ _CHECKS = {
     "save_summaries_steps": _count(0, True),
     "checkpoint_basename": _basename,
     "checkpoint_backend": _backend,
-    "max_to_keep": _count(1, True),
+    "max_to_keep": _count(0, True),
     "keep_checkpoint_every_n_hours": _hours,
     "init_fn": _optional_callable,
     "local_init_fn": _optional_callable,

@@ -100,24 +100,24 @@ def make_plugin_manager(config: Config, plugins: Iterable[Any] = ()) -> PluginMa
     # keep `origins` in start order for listings
     pm.origins = {n: pm.origins[n] for n, _ in loaded}
 
-    if config.autoload and not os.environ.get(AUTOLOAD_ENV):
-        for dist in importlib.metadata.distributions():
-            for ep in dist.entry_points:
-                if ep.group != ENTRY_POINT_GROUP:
-                    continue
-                known.add(ep.name)
-                if ep.name in disabled or pm.has_plugin(ep.name):
-                    continue
-                try:
-                    obj = ep.load()
-                    if inspect.isclass(obj):
-                        obj = obj()
-                except Exception as ex:
-                    raise PluginError(
-                        f'Error importing plugin "{ep.name}" (entry point {ep.value!r} '
-                        f"of {dist.metadata['Name']}): {type(ex).__name__}: {ex}"
-                    ) from ex
-                _register(pm, obj, ep.name, f"entry point ({dist.metadata['Name']})")
+    autoload = config.autoload and not os.environ.get(AUTOLOAD_ENV)
+    for dist in importlib.metadata.distributions():
+        for ep in dist.entry_points:
+            if ep.group != ENTRY_POINT_GROUP:
+                continue
+            known.add(ep.name)  # a name in `disable` stays valid with autoload off
+            if not autoload or ep.name in disabled or pm.has_plugin(ep.name):
+                continue
+            try:
+                obj = ep.load()
+                if inspect.isclass(obj):
+                    obj = obj()
+            except Exception as ex:
+                raise PluginError(
+                    f'Error importing plugin "{ep.name}" (entry point {ep.value!r} '
+                    f"of {dist.metadata['Name']}): {type(ex).__name__}: {ex}"
+                ) from ex
+            _register(pm, obj, ep.name, f"entry point ({dist.metadata['Name']})")
 
     for obj in plugins:
         name = _plugin_name(obj)

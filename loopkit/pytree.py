@@ -30,7 +30,8 @@ def leaves_with_paths(tree: PyTree) -> list[tuple[str, Any]]:
 
 def shape_dtype(x: Any) -> tuple[tuple[int, ...], np.dtype]:
     if isinstance(x, (jax.ShapeDtypeStruct, jax.Array, np.ndarray, np.generic)):
-        return tuple(x.shape), np.dtype(x.dtype)
+        # as jax will hold it: a float64 numpy init becomes float32 without x64
+        return tuple(x.shape), np.dtype(jax.dtypes.canonicalize_dtype(x.dtype))
     arr = np.asarray(x)
     # Python scalars become weakly-typed JAX values of the default dtype.
     return tuple(arr.shape), np.dtype(jax.dtypes.canonicalize_dtype(arr.dtype))

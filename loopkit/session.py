@@ -43,6 +43,10 @@ class SessionStats:
         return sum(self.timer_secs.values()) + self.input_wait_secs
 
 
+def _copy(x: Any) -> Any:
+    return x.copy() if isinstance(x, jax.Array) else x
+
+
 def _is_jitted(fn: Any) -> bool:
     return callable(getattr(fn, "lower", None)) and callable(getattr(fn, "eval_shape", None))
 
@@ -223,8 +227,8 @@ class Session:
         writer = self.summary_writer
         if writer is None:
             raise RuntimeError(
-                "summary_computed needs a summary writer: set Config.logdir (and keep the "
-                "'summaries' plugin enabled)"
+                "summary_computed needs a summary writer: a chief with Config.logdir set and "
+                "the 'summaries' plugin enabled, called while the session runs"
             )
         step = self.step if step is None else int(step)
         for tag, value in values.items():
@@ -240,7 +244,15 @@ class Session:
 
     def _compile(self, protect_first_step: bool) -> None:
         fn, cfg = self._step_fn, self.config
-        if not cfg.jit or _is_jitted(fn):
+        if _is_jitted(fn):
+            # Already jitted, maybe with donate_argnums=0 that we cannot undo: the
+            # "plain" variant feeds it a copy, so the buffers a saver (or the
+            # caller's init) still holds are never donated.
+            def plain(state: Any, *batch: Any) -> Any:
+                return fn(jax.tree.map(_copy, state), *batch)
+
+            donating = fn
+        elif not cfg.jit:
             donating = plain = fn
         else:
             plain = jax.jit(fn)

@@ -9,6 +9,7 @@ import threading
 from typing import Any, Callable, Iterable, Mapping
 
 import jax
+import pluggy
 
 from loopkit.config import Config
 from loopkit.coordinator import Coordinator, LooperThread, add_note
@@ -146,6 +147,12 @@ class Supervisor:
         return _ManagedSession(self, step_fn, init, data)
 
 
+def _also(ex: BaseException) -> str:
+    plugin = getattr(ex, "_loopkit_plugin", None)
+    where = f"on_stop of plugin {plugin!r} raised " if plugin else ""
+    return f"while stopping, also: {where}{type(ex).__name__}: {ex}"
+
+
 def _allreduce_max(vector: list[int]) -> list[int]:
     """Element-wise max of `vector` over all processes (one small collective)."""
     import numpy as np
@@ -178,7 +185,9 @@ class _ManagedSession:
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         if exc is not None and isinstance(exc, StopIteration):
-            exc = None  # the user's input ran out: a normal stop, as OutOfRangeError
+            # the user's input ran out: a normal stop, as OutOfRangeError was
+            self.session._coord.request_stop(reason="data_exhausted")
+            exc = None
         self._finish(exc)
         return True  # _finish raised whatever must be raised
 
@@ -244,17 +253,18 @@ class _ManagedSession:
         coord.join(cfg.stop_grace_secs)
         error = coord.exception
         stop_errors = self._run_on_stop(session, error)
+        session.summary_writer = None  # closed by now
         self._restore_signal_handlers()
         if error is None and coord.exception is not None:
             error = coord.exception  # a thread failed during shutdown
         if error is not None:
             for ex in stop_errors:
-                add_note(error, f"while stopping, also: {type(ex).__name__}: {ex}")
+                add_note(error, _also(ex))
             raise error
         if stop_errors:
             first = stop_errors[0]
             for ex in stop_errors[1:]:
-                add_note(first, f"while stopping, also: {type(ex).__name__}: {ex}")
+                add_note(first, _also(ex))
             raise first
 
     def _run_on_stop(self, session: Session, error: BaseException | None) -> list[BaseException]:
@@ -278,32 +288,43 @@ class _ManagedSession:
             try:
                 return impl.function(*(kwargs[a] for a in impl.argnames))
             except BaseException as ex:  # noqa: BLE001 - every on_stop must run
-                add_note(ex, f"raised in loopkit hook 'on_stop' of plugin {impl.plugin_name!r}")
-                log.error("loopkit: on_stop of plugin %r raised %r", impl.plugin_name, ex)
-                errors.append(ex)
+                failed(ex, impl.plugin_name)
                 return None
 
-        # wrapper=True implementations: the part before `yield` runs first, the rest last
+        def failed(ex: BaseException, plugin_name: str) -> None:
+            add_note(ex, f"raised in loopkit hook 'on_stop' of plugin {plugin_name!r}")
+            log.error("loopkit: on_stop of plugin %r raised %r", plugin_name, ex)
+            ex._loopkit_plugin = plugin_name  # type: ignore[attr-defined]
+            errors.append(ex)
+            if kwargs["error"] is None:
+                # the stop is a failed one now: later plugins must not, e.g., save
+                # a final checkpoint of a state a NaN guard just rejected
+                kwargs["error"] = ex
+
+        # wrapper implementations: the part before `yield` runs first, the rest last
         wrappers = [i for i in others if i.wrapper or i.hookwrapper]
-        started = [g for g in (call(w) for w in wrappers) if g is not None]
-        for gen in list(started):
+        started = []
+        for impl in wrappers:
+            gen = call(impl)
+            if gen is None:
+                continue
             try:
                 next(gen)
-            except StopIteration:
-                started.remove(gen)
-            except BaseException as ex:  # noqa: BLE001
-                errors.append(ex)
-                started.remove(gen)
-        for impl in [i for i in others if i not in wrappers] + mine:
-            call(impl)
-        for gen in reversed(started):
-            try:
-                gen.send(None)
+                started.append((impl, gen))
             except StopIteration:
                 pass
             except BaseException as ex:  # noqa: BLE001
-                add_note(ex, "raised in loopkit hook 'on_stop' (a wrapper)")
-                errors.append(ex)
+                failed(ex, impl.plugin_name)
+        for impl in [i for i in others if i not in wrappers] + mine:
+            call(impl)
+        for impl, gen in reversed(started):
+            try:
+                # old-style hookwrappers receive a pluggy Result, new-style None
+                gen.send(pluggy.Result(None, None) if impl.hookwrapper else None)
+            except StopIteration:
+                pass
+            except BaseException as ex:  # noqa: BLE001
+                failed(ex, impl.plugin_name)
         return errors
 
     # -- signals ---------------------------------------------------------------------------
@@ -323,7 +344,7 @@ class _ManagedSession:
                 signal.Signals(signum).name,
                 " (press Ctrl-C again to abort)" if signum == signal.SIGINT else "",
             )
-            if self.session is not None and self.session._sched._agreement is not None:
+            if jax.process_count() > 1:
                 # Many processes: stop at a step every process agrees on, so that
                 # none is left waiting in a collective the others skipped.
                 coord.signal_pending = True

@@ -320,6 +320,7 @@ class CheckpointPlugin:
         """Name the committed `step` in the `checkpoint` file, then apply retention."""
         listed = [(s, t) for s, t in self._listed if s != step] + [(step, timestamp)]
         keep, hours = self.config.max_to_keep, self.config.keep_checkpoint_every_n_hours
+        keep = keep or None  # as tf.train.Saver: 0 or None keeps every checkpoint
         doomed = []
         while keep is not None and len(listed) > keep:
             old, t = listed.pop(0)

@@ -150,7 +150,11 @@ class _Feed:
     # -- the loop's side ----------------------------------------------------------
 
     def start(self) -> Iterator[Any]:
-        self._start_threads(probe=self.transform is None and self.sharding is None)
+        # The loop may read the source itself only when reading cannot block: an
+        # in-memory sequence. A generator may wait on I/O, and a loop blocked in
+        # next() could not see a stop request.
+        self._start_threads(probe=self.transform is None and self.sharding is None
+                            and getattr(self.session.input, "in_memory", False))
         return self._consume()
 
     def _consume(self) -> Iterator[Any]:

@@ -104,7 +104,9 @@ class SummariesPlugin:
             max_queue=1024, filename_suffix=event_file_suffix(),
         )
         session.summary_writer = self.writer
-        self.writer.add_text("loopkit/config", config_markdown(cfg), session.step)
+        # At the purge step on a resume (one config per session even when several
+        # sessions resume at the same step, e.g. at max_steps: each purges the last).
+        self.writer.add_text("loopkit/config", config_markdown(cfg), purge_step)
         self.writer.flush()
         self._written_step = session.step  # nothing to write before a step runs
         self._last_time = session.clock()

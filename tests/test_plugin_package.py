@@ -68,9 +68,15 @@ def test_time_limit_and_compressed_backend_in_a_run(site, tmp_path):
 def test_without_the_variable_the_time_limit_costs_nothing(site):
     p = run(site, """
         import jax.numpy as jnp, loopkit
-        from loopkit.testing import HookRecorder
+
+        class Timers:
+            @loopkit.hookimpl(trylast=True)
+            def session_create(self, session):
+                print("TIMERS", sorted(t.name for t in session._sched.timers))
+
         r = loopkit.train(lambda s: (s + 1, {}), init=jnp.zeros(()), max_steps=5,
-                          progress=False, checkpoint_backend=None)
+                          progress=False, checkpoint_backend=None, plugins=[Timers()])
         print("RESULT", r.stop_reason)
     """)
     assert "RESULT max_steps" in p.stdout
+    assert "TIMERS []" in p.stdout  # no timer, no hook on the per-step path

@@ -28,7 +28,7 @@ def test_defaults_are_the_supervisors():
         ("save_model_steps", 2.5, "an int >= 0 or None"),
         ("save_summaries_steps", -3, "an int >= 0 or None"),
         ("max_steps", -1, "an int >= 0 or None"),
-        ("max_to_keep", 0, "an int >= 1 or None"),
+        ("max_to_keep", -1, "an int >= 0 or None"),
         ("prefetch", -1, "an int >= 0"),
         ("prefetch_threads", 0, "an int >= 1"),
         ("stop_grace_secs", None, "a number of seconds >= 0"),

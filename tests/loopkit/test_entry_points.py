@@ -61,6 +61,9 @@ def test_autoload_switch_turns_entry_points_off(site):
     p = _run(site, TRAIN % "()", LOOPKIT_DISABLE_PLUGIN_AUTOLOAD="1")
     assert p.returncode == 0, p.stderr
     assert "EP_DEMO" not in p.stdout and "DONE 3" in p.stdout
+    # a config naming an entry-point plugin in `disable` still works with autoload off
+    p = _run(site, TRAIN % '("ep_demo",)', LOOPKIT_DISABLE_PLUGIN_AUTOLOAD="1")
+    assert p.returncode == 0, p.stderr
 
 
 def test_import_failure_names_the_plugin(site):

@@ -118,3 +118,13 @@ def test_properties():
     assert (sv.save_model_secs, sv.save_summaries_secs, sv.is_chief) == (30, 5, False)
     assert sv.summary_writer is None and isinstance(sv.coord, loopkit.Coordinator)
     assert loopkit.Supervisor().save_path is None
+
+
+def test_summary_computed_after_the_block_raises(tmp_path):
+    sv = loopkit.Supervisor(logdir=str(tmp_path), checkpoint_backend=None, progress=False)
+    with sv.managed_session(step, init=jnp.zeros(())) as sess:
+        sess.run(1.0)
+        sv.summary_computed({"x": 1.0})
+    assert sv.summary_writer is None
+    with pytest.raises(RuntimeError, match="while the session runs"):
+        sv.summary_computed({"x": 2.0})

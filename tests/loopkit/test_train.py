@@ -432,3 +432,94 @@ def test_restore_sees_concrete_shardings_for_a_sharded_callable_init():
                   max_steps=1, plugins=[Restore()], **FAST)
     assert isinstance(seen[0], NamedSharding)
     assert type(seen[0].mesh).__name__ == "Mesh"  # real devices, not an AbstractMesh
+
+
+def test_prejitted_donating_step_keeps_init_and_lets_async_saves_read(tmp_path):
+    step = jax.jit(lambda s: (jax.tree.map(lambda x: x + 1, s), {}), donate_argnums=0)
+    init = {"w": jnp.zeros((200_000,))}
+    r = loopkit.train(step, init=init, max_steps=30, logdir=str(tmp_path), save_model_steps=5, max_to_keep=0,
+                      save_model_secs=None, save_summaries_secs=None, progress=False)
+    assert not init["w"].is_deleted()  # the caller's array survived a donating step
+    np.testing.assert_array_equal(init["w"], np.zeros(200_000))
+    assert float(r.state["w"][0]) == 30.0
+    for saved in (5, 10, 30):  # every async save read intact buffers
+        got = loopkit.load_checkpoint(str(tmp_path / f"model.ckpt-{saved}"))
+        assert float(got["w"][0]) == saved
+
+
+def test_float64_numpy_init_resumes(tmp_path):
+    kw = dict(init={"w": np.zeros(3)}, logdir=str(tmp_path), checkpoint_backend="npz",
+              progress=False, save_summaries_secs=None)
+    loopkit.train(lambda s: ({"w": s["w"] + 1}, {}), max_steps=2, **kw)
+    r = loopkit.train(lambda s: ({"w": s["w"] + 1}, {}), max_steps=4, **kw)
+    np.testing.assert_array_equal(r.state["w"], np.full(3, 4.0))
+
+
+def test_stop_iteration_from_user_code_is_data_exhausted():
+    it = iter([])
+
+    def step(s):
+        next(it)
+        return s, {}
+
+    r = loopkit.train(step, init=jnp.zeros(()), jit=False, **FAST)
+    assert r.stop_reason == "data_exhausted" and r.step == 0
+
+
+def test_data_source_error_without_prefetch_names_the_source():
+    def source():
+        yield 1.0
+        raise OSError("disk gone")
+
+    with pytest.raises(OSError, match="disk gone") as info:
+        loopkit.train(add_step, init=jnp.zeros(()), data=source(), prefetch=0, **FAST)
+    assert info.value.__notes__ == ["raised in loopkit reading the data source, for step 2"]
+
+
+def test_a_failing_on_stop_turns_the_stop_into_a_failed_one_for_later_plugins():
+    seen = []
+
+    class Fails:
+        @loopkit.hookimpl(tryfirst=True)
+        def on_stop(self):
+            raise ValueError("final check failed")
+
+    class Later:
+        @loopkit.hookimpl
+        def on_stop(self, error):
+            seen.append(error)
+
+    with pytest.raises(ValueError, match="final check failed"):
+        loopkit.train(count_step, init=jnp.zeros(()), max_steps=2, plugins=[Later(), Fails()],
+                      **FAST)
+    assert isinstance(seen[0], ValueError)
+
+
+def test_on_stop_failure_after_a_failed_run_names_the_plugin():
+    class A:
+        @loopkit.hookimpl
+        def on_stop(self):
+            raise RuntimeError("cleanup")
+
+    def step(s):
+        raise ZeroDivisionError("original")
+
+    with pytest.raises(ZeroDivisionError) as info:
+        loopkit.train(step, init=jnp.zeros(()), jit=False, plugins=[A()], **FAST)
+    assert "while stopping, also: on_stop of plugin 'A' raised RuntimeError: cleanup" in \
+        info.value.__notes__
+
+
+def test_old_style_hookwrapper_on_stop():
+    order = []
+
+    class Old:
+        @loopkit.hookimpl(hookwrapper=True)
+        def on_stop(self):
+            order.append("before")
+            outcome = yield
+            outcome.get_result()
+            order.append("after")
+
+    loopkit.train(count_step, init=jnp.zeros(()), max_steps=1, plugins=[Old()], **FAST)
+    assert order == ["before", "after"]

@@ -116,11 +116,14 @@ def test_checkpoints_iterator_follows_a_running_training(tmp_path):
     t.start()
     started.wait(60)
     seen = []
-    for found in loopkit.checkpoints_iterator(tmp_path, timeout=1.0, poll_secs=0.05):
+    # a generous timeout (a loaded machine may pause); the loop ends at step 30
+    for found in loopkit.checkpoints_iterator(tmp_path, timeout=60.0, poll_secs=0.05):
         seen.append(found)
         assert found[1] == str(tmp_path.absolute() / f"model.ckpt-{found[0]}")
         # each one can be loaded while the training goes on
         assert int(loopkit.load_checkpoint(found[1])["opt"]["count"]) == found[0]
+        if found[0] == 30:
+            break
     t.join()
     steps = [s for s, _ in seen]
     assert steps == sorted(set(steps)) and steps[-1] == 30

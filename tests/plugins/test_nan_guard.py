@@ -79,3 +79,17 @@ def test_supervisor_idiom():
             for _ in range(5):
                 sess.run()
     assert info.value.step == 2
+
+
+def test_nan_at_the_last_step_saves_no_final_checkpoint_and_no_summary(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with pytest.raises(loopkit.NonFiniteError):
+        loopkit.train(bad_at(5), init=jnp.zeros(()), max_steps=5, nan_guard="loss",
+                      logdir=str(tmp_path), checkpoint_backend="npz", save_model_steps=2,
+                      save_model_secs=None, save_summaries_steps=2, progress=False)
+    # the stop turned into a failed one: the NaN state is not the one a restart recovers
+    assert loopkit.latest_checkpoint(tmp_path)[0] == 4
+    acc = EventAccumulator(str(tmp_path))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("loss")] == [2, 4]

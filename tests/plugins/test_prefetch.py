@@ -121,13 +121,16 @@ def test_exhaustion_after_queued_batches_are_consumed():
     assert probe.plugin.feed.modes == ["threaded"]
 
 
-def test_cheap_source_is_read_directly_and_back_in_a_thread_when_it_turns_slow():
+def test_cheap_source_is_read_directly_and_back_in_a_thread_when_it_turns_slow(monkeypatch):
     seen, probe = [], Probe()
     r = loopkit.train(recording_step(seen), init=0, data=list(range(300)), plugins=[probe],
                       **QUIET)
     assert seen == list(range(300)) and r.stop_reason == "data_exhausted"
     assert probe.plugin.feed.modes == ["threaded", "direct"]
 
+    # Only in-memory data is read directly (a generator could block on I/O, and a
+    # loop blocked in next() could not see a stop). Pretend this source is one.
+    monkeypatch.setattr(loopkit.data.Input, "in_memory", True)
     seen, probe = [], Probe(every=7)
     src = Stateful(range(400), delay=1e-3, slow_after=100)
     loopkit.train(recording_step(seen), init=0, data=src, plugins=[probe], prefetch=4, **QUIET)
@@ -179,7 +182,16 @@ def test_transform_error_names_the_thread(threads, thread):
     assert prefetch_threads() == []
 
 
-def test_error_in_a_directly_read_source_is_reraised():
+def test_generators_are_never_read_directly():
+    seen, probe = [], Probe()
+    loopkit.train(recording_step(seen), init=0, data=(i for i in range(300)), plugins=[probe],
+                  **QUIET)
+    assert seen == list(range(300)) and probe.plugin.feed.modes == ["threaded"]
+
+
+def test_error_in_a_directly_read_source_is_reraised(monkeypatch):
+    monkeypatch.setattr(loopkit.data.Input, "in_memory", True)
+
     def source():
         yield from range(100)
         raise OSError("disk gone")

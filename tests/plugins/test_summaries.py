@@ -86,9 +86,18 @@ class Capture:
 
 
 def test_builtins_stay_off_the_per_step_path():
-    for mod in (summaries, step_counter, progress):
-        plugin = mod.plugin(loopkit.Config(logdir="x", progress=True))
-        assert not hasattr(plugin, "before_step") and not hasattr(plugin, "after_step"), mod
+    import importlib
+
+    from loopkit.manager import BUILTINS
+
+    on = 0
+    for name in BUILTINS:  # every built-in a default config (with a logdir) turns on
+        plugin = importlib.import_module(f"loopkit.plugins.{name}").plugin(
+            loopkit.Config(logdir="x"))
+        if plugin is not None:
+            on += 1
+            assert not hasattr(plugin, "before_step") and not hasattr(plugin, "after_step"), name
+    assert on == 6  # all but nan_guard and profiler
     # the opt-in ones may use them, and are off by default
     assert nan_guard.plugin(loopkit.Config()) is None
     assert profiler.plugin(loopkit.Config()) is None
@@ -368,7 +377,8 @@ def test_resume_purges_what_the_first_run_wrote_after_the_recovered_step(tmp_pat
     acc = events(tmp_path)
     _check_one_clean_curve(acc)
     # each session records its config once, at its start step
-    assert [e.step for e in acc.Tensors("loopkit/config/text_summary")] == [0, 20]
+    # one config per session, at its first new step (a resume at 20 writes it at 21)
+    assert [e.step for e in acc.Tensors("loopkit/config/text_summary")] == [0, 21]
 
 
 KILLED_RUN = textwrap.dedent("""
