@@ -57,7 +57,7 @@ import numpy as np
 from loopkit.errors import CheckpointError
 from loopkit.fs import fsync_dir, fsync_tree
 from loopkit.pytree import conform
-from loopkit.plugins.npz_backend import (
+from loopkit.plugins.leaf_records import (
     check_records, host_value, leaf_records, like_leaves, nest, placement,
     put, record_struct, remove_stale, saving_lock,
 )
