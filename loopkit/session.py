@@ -265,7 +265,19 @@ class Session:
         self._before = hook.before_step if hook.before_step.get_hookimpls() else None
         self._after = hook.after_step if hook.after_step.get_hookimpls() else None
 
-    def _annotate(self, ex: BaseException) -> None:
+    def _end(self) -> None:
+        """The session is over: `run` now raises instead of stepping a closed session."""
+
+        def ended(*args: Any) -> Any:
+            err = RuntimeError("this session has ended: Session.run() works only inside "
+                               "its managed_session block")
+            add_note(err, "raised in loopkit's Session.run after the session ended")
+            raise err
+
+        self._call = self._donating = self._plain = ended
+        self._before = self._after = None
+
+    def _annotate(self, ex: BaseException, fallback: bool = True) -> None:
         """Add a note saying which hook and plugin (or the step function) raised."""
         if getattr(ex, "__notes__", None) and any(
             n.startswith("raised in loopkit") for n in ex.__notes__
@@ -276,7 +288,7 @@ class Session:
             hook_name, plugin_name = origin
             add_note(ex, f"raised in loopkit hook {hook_name!r} of plugin {plugin_name!r} "
                          f"at step {self.step}")
-        elif not isinstance(ex, (KeyboardInterrupt, SystemExit)):
+        elif fallback and not isinstance(ex, (KeyboardInterrupt, SystemExit)):
             add_note(ex, f"raised in loopkit's step function at step {self.step + 1}")
 
 

@@ -59,6 +59,7 @@ class Supervisor:
         self._clock = clock
         self._coord = Coordinator()
         self._session: Session | None = None
+        self._active = False
 
     # -- properties of the Supervisor --------------------------------------------------
 
@@ -170,7 +171,13 @@ class _ManagedSession:
 
     def __enter__(self) -> Session:
         sv = self.sv
-        sv._coord = coord = Coordinator()
+        if sv._active:
+            raise RuntimeError("this Supervisor already runs a session: leave its `with` "
+                               "block first (or use another Supervisor)")
+        if sv._coord.stopped:  # a used coordinator; a fresh one keeps threads from sv.loop()
+            sv._coord = Coordinator()
+        coord = sv._coord
+        sv._active = True
         cfg = sv.config
         pm = make_plugin_manager(cfg, sv._plugins)
         session = Session(cfg, pm, coord, self.step_fn, sv._clock)
@@ -195,7 +202,17 @@ class _ManagedSession:
 
     def _prepare(self, session: Session) -> None:
         init, hook = self.init, session.hook
-        like = concrete_like(init, jax.eval_shape(init)) if callable(init) else abstract(init)
+        built = None  # init() run for real because it could not be traced
+        if callable(init):
+            try:
+                like = concrete_like(init, jax.eval_shape(init))
+            except jax.errors.JAXTypeError as ex:
+                # e.g. numpy or float() on a traced value: build it once, for real
+                log.info("loopkit: init could not be traced (%s); calling it", type(ex).__name__)
+                built = init()
+                like = abstract(built)
+        else:
+            like = abstract(init)
         restored = hook.restore_state(session=session, like=like)
         if restored is not None:
             session.restored = restored
@@ -203,7 +220,7 @@ class _ManagedSession:
             session.step = int(restored.step)
             protect = False
         else:
-            state = init() if callable(init) else init
+            state = built if built is not None else init() if callable(init) else init
             new = hook.init_state(session=session, state=state)
             session.state = state if new is None else new
             protect = not callable(init)
@@ -248,12 +265,19 @@ class _ManagedSession:
         assert session is not None
         coord, cfg = session._coord, session.config
         if error is not None and not isinstance(error, StopIteration):
-            session._annotate(error)
+            session._annotate(error, fallback=False)  # run() annotates the step's own
         coord.request_stop(error)
-        coord.join(cfg.stop_grace_secs)
+        try:
+            coord.join(cfg.stop_grace_secs)
+        except BaseException as ex:  # noqa: BLE001 - a second Ctrl-C: still run on_stop
+            coord.request_stop(ex)
         error = coord.exception
-        stop_errors = self._run_on_stop(session, error)
-        session.summary_writer = None  # closed by now
+        try:
+            stop_errors = self._run_on_stop(session, error)
+        finally:
+            session.summary_writer = None  # closed by now
+            session._end()
+            self.sv._active = False
         self._restore_signal_handlers()
         if error is None and coord.exception is not None:
             error = coord.exception  # a thread failed during shutdown
@@ -336,13 +360,14 @@ class _ManagedSession:
 
         def handler(signum: int, frame: Any) -> None:
             seen["count"] += 1
-            if signum == signal.SIGINT and seen["count"] > 1:
+            if seen["count"] > 1:  # a second signal (Ctrl-C or SIGTERM) aborts
                 self._restore_signal_handlers()
                 raise KeyboardInterrupt
             log.warning(
                 "loopkit: got %s, stopping after the current step%s",
                 signal.Signals(signum).name,
-                " (press Ctrl-C again to abort)" if signum == signal.SIGINT else "",
+                " (press Ctrl-C again to abort)" if signum == signal.SIGINT else
+                " (a second signal aborts)",
             )
             if jax.process_count() > 1:
                 # Many processes: stop at a step every process agrees on, so that

@@ -81,6 +81,7 @@ class CheckpointPlugin:
         self._commit_error: BaseException | None = None
         self._lock = threading.Lock()
         self._stopping = False
+        self._abandoned = False  # a commit outlived stop_grace_secs
 
     # -- the backend -------------------------------------------------------------------
 
@@ -266,7 +267,7 @@ class CheckpointPlugin:
     def _save(self, session: Any) -> None:
         """Start saving the current state (the timer action, and the final save)."""
         t0 = time.perf_counter()
-        self._finish_commit()
+        self._finish_commit(session)
         backend = self.backend
         assert backend is not None
         step = session.step
@@ -286,6 +287,7 @@ class CheckpointPlugin:
         self._commit = threading.Thread(
             target=self._committer, args=(session, step, metadata["timestamp"]),
             name=f"loopkit-checkpoint-commit-{step}",
+            daemon=True,  # a backend that never commits must not keep the process alive
         )
         self._commit.start()
         session.stats.checkpoint_blocking_secs = time.perf_counter() - t0
@@ -343,14 +345,30 @@ class CheckpointPlugin:
             last_preserved_timestamp=self._last_preserved if hours else None,
         ))
 
-    def _join_commit(self) -> None:
-        thread, self._commit = self._commit, None
-        if thread is not None:
-            thread.join()
+    def _join_commit(self, session: Any = None) -> None:
+        """Wait for the commit in flight. Once a stop is under way, for at most
+        `stop_grace_secs`: a backend that never commits is named and left behind."""
+        thread = self._commit
+        if thread is None:
+            return
+        deadline = None
+        while thread.is_alive():
+            thread.join(0.1)
+            if self._stopping or (session is not None and session.should_stop()):
+                now = time.monotonic()
+                deadline = deadline or now + self.config.stop_grace_secs
+                if now > deadline and thread.is_alive():
+                    log.warning("loopkit: thread %r did not commit within stop_grace_secs=%s;"
+                                " leaving it behind", thread.name, self.config.stop_grace_secs)
+                    self._abandoned = True
+                    return
+        self._commit = None
 
-    def _finish_commit(self) -> None:
+    def _finish_commit(self, session: Any = None) -> None:
         """Wait for the save in flight to commit; re-raise an error from its commit."""
-        self._join_commit()
+        self._join_commit(session)
+        if self._abandoned:
+            raise CheckpointError(f"a checkpoint save in {self._logdir} never committed")
         if self._commit_error is not None:
             raise self._commit_error
 
@@ -370,13 +388,16 @@ class CheckpointPlugin:
             self._stopping = True  # from now on a commit error is raised here, not sent
         try:
             self._join_commit()
-            if (error is None and self._commit_error is None and session.state is not None
+            if (error is None and self._commit_error is None and not self._abandoned
+                    and session.state is not None
                     and self._last_save_step != session.step
                     and not self._is_restored_state(session)):
                 self._save(session)
                 self._join_commit()
         finally:
-            if self._owns_backend:
+            if self._abandoned:
+                pass  # closing would wait for the stuck save again
+            elif self._owns_backend:
                 self.backend.close()
             else:
                 self.backend.wait()  # the caller's instance: theirs to close

@@ -128,3 +128,81 @@ def test_summary_computed_after_the_block_raises(tmp_path):
     assert sv.summary_writer is None
     with pytest.raises(RuntimeError, match="while the session runs"):
         sv.summary_computed({"x": 2.0})
+
+
+def test_run_after_the_block_raises():
+    sv = loopkit.Supervisor(**FAST)
+    with sv.managed_session(step, init=jnp.zeros(())) as sess:
+        sess.run(1.0)
+    with pytest.raises(RuntimeError, match="session has ended"):
+        sess.run(1.0)
+    assert sess.step == 1
+
+
+def test_a_nested_session_on_one_supervisor_is_refused():
+    sv = loopkit.Supervisor(**FAST)
+    with sv.managed_session(step, init=jnp.zeros(())):
+        with pytest.raises(RuntimeError, match="already runs a session"):
+            with sv.managed_session(step, init=jnp.zeros(())):
+                pass
+        assert not sv.should_stop()
+    with sv.managed_session(step, init=jnp.zeros(())):  # afterwards: fine
+        pass
+
+
+def test_loop_started_before_the_session_stops_with_it():
+    import threading
+
+    sv = loopkit.Supervisor(**FAST)
+    ticks = threading.Event()
+    thread = sv.loop(0.01, ticks.set)
+    with sv.managed_session(step, init=jnp.zeros(())) as sess:
+        assert ticks.wait(30)
+        sess.run(1.0)
+    thread.join(30)
+    assert not thread.is_alive()
+
+
+def test_user_errors_in_the_block_are_not_blamed_on_the_step():
+    sv = loopkit.Supervisor(**FAST)
+    with pytest.raises(ValueError) as info:
+        with sv.managed_session(step, init=jnp.zeros(())) as sess:
+            sess.run(1.0)
+            raise ValueError("mine")
+    assert not any("step function" in n for n in getattr(info.value, "__notes__", []))
+
+
+def test_second_ctrl_c_while_threads_are_joined_still_runs_on_stop():
+    import os
+    import signal
+    import threading
+
+    from loopkit.testing import HookRecorder
+
+    release = threading.Event()
+    rec = HookRecorder()
+
+    class Stuck:
+        @loopkit.hookimpl
+        def session_create(self, session):
+            session.loop(None, release.wait)  # ignores the stop: joined for stop_grace_secs
+
+    def send_twice():
+        os.kill(os.getpid(), signal.SIGINT)
+        import time
+        time.sleep(1.0)  # the loop has stopped; the join is waiting
+        os.kill(os.getpid(), signal.SIGINT)
+
+    def slow(s):
+        import time
+        time.sleep(0.01)
+        return s + 1, {}
+
+    threading.Timer(0.3, send_twice).start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            loopkit.train(slow, init=jnp.zeros(()), jit=False, stop_grace_secs=60,
+                          plugins=[Stuck(), rec], **FAST)
+    finally:
+        release.set()
+    assert isinstance(rec.getcall("on_stop").kwargs["error"], KeyboardInterrupt)

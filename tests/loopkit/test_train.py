@@ -523,3 +523,20 @@ def test_old_style_hookwrapper_on_stop():
 
     loopkit.train(count_step, init=jnp.zeros(()), max_steps=1, plugins=[Old()], **FAST)
     assert order == ["before", "after"]
+
+
+def test_an_init_that_cannot_be_traced_is_called_once_for_real(tmp_path):
+    calls = []
+
+    def init():
+        # numpy on a jax value: fine eagerly, impossible under jax.eval_shape
+        w = np.asarray(jax.random.normal(jax.random.key(0), (3,)))
+        calls.append(1)  # reached only when init really runs
+        return {"w": w}
+
+    kw = dict(init=init, logdir=str(tmp_path), checkpoint_backend="npz", progress=False,
+              save_summaries_secs=None)
+    r = loopkit.train(lambda s: ({"w": s["w"] + 1}, {}), max_steps=2, **kw)
+    assert calls == [1]
+    r2 = loopkit.train(lambda s: ({"w": s["w"] + 1}, {}), max_steps=3, **kw)
+    np.testing.assert_allclose(r2.state["w"], np.asarray(r.state["w"]) + 1)

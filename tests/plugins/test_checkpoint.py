@@ -6,6 +6,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 
 import jax
@@ -606,3 +607,27 @@ def test_the_input_position_of_a_stateful_iterator_is_saved_and_restored(tmp_pat
     assert restore(tmp_path, 7, "npz")[1]["data_position"]["i"] == 7
     r = go(10)
     assert_state(r.state, 10)
+
+
+def test_a_save_that_never_commits_does_not_hang_the_stop(tmp_path, caplog):
+    """A backend whose wait() blocks: the stop waits stop_grace_secs, names the thread."""
+    import threading
+
+    release = threading.Event()
+
+    class Stuck(NpzBackend):
+        def wait(self):
+            release.wait()
+
+    backend = Stuck(tmp_path)
+    started = time.monotonic()
+    try:
+        r = loopkit.train(lambda s: (s + 1, {}), init=jnp.zeros(()), max_steps=3,
+                          logdir=str(tmp_path), checkpoint_backend=backend,
+                          save_model_secs=None, stop_grace_secs=1, progress=False)
+        elapsed = time.monotonic() - started
+    finally:
+        release.set()
+    assert r.step == 3 and elapsed < 60
+    assert any("loopkit-checkpoint-commit-3" in rec.getMessage() and "stop_grace_secs=1"
+               in rec.getMessage() for rec in caplog.records)
