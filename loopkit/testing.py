@@ -18,7 +18,7 @@ from typing import Any
 
 from loopkit.hookspec import hookimpl
 
-__all__ = ["FakeClock", "HookCall", "HookRecorder"]
+__all__ = ["FakeClock", "HookCall", "HookRecorder", "Tick"]
 
 
 @dataclasses.dataclass
@@ -101,3 +101,25 @@ class FakeClock:
 
     def advance(self, secs: float) -> None:
         self.now += float(secs)
+
+
+class Tick:
+    """A plugin that advances a `FakeClock` by `secs` after every step.
+
+    For tests of time-based timers: each step then "takes" `secs` of fake time.
+    It implements `after_step`, so it is for tests only.
+
+    >>> import jax.numpy as jnp, loopkit
+    >>> clock = FakeClock()
+    >>> _ = loopkit.train(lambda s: (s + 1, {}), init=jnp.zeros(()), max_steps=4,
+    ...                   clock=clock, plugins=[Tick(clock, 2.5)], progress=False)
+    >>> clock()
+    10.0
+    """
+
+    def __init__(self, clock: FakeClock, secs: float) -> None:
+        self.clock, self.secs = clock, secs
+
+    @hookimpl
+    def after_step(self) -> None:
+        self.clock.advance(self.secs)

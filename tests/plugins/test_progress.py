@@ -11,20 +11,9 @@ import pytest
 
 import loopkit
 from loopkit.plugins.progress import LOG_SECS, ProgressPlugin
-from loopkit.testing import FakeClock
+from loopkit.testing import FakeClock, Tick
 
 FAST = dict(disable=("checkpoint",))
-
-
-class Tick:
-    """Advances a FakeClock by `secs` per step (a test plugin; it may use after_step)."""
-
-    def __init__(self, clock: FakeClock, secs: float) -> None:
-        self.clock, self.secs = clock, secs
-
-    @loopkit.hookimpl
-    def after_step(self) -> None:
-        self.clock.advance(self.secs)
 
 
 class ResumeAt:

@@ -24,7 +24,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import loopkit
 from loopkit.plugins import nan_guard, profiler, progress, step_counter, summaries
 from loopkit.plugins.summaries import event_file_suffix
-from loopkit.testing import FakeClock
+from loopkit.testing import FakeClock, Tick
 
 # No checkpoints here: these tests are about event files (the checkpoint plugin has
 # its own tests), and a disabled plugin is not even imported.
@@ -54,17 +54,6 @@ def event_files(logdir) -> list[str]:
 
 def counting_step(base: float = 0.0):
     return lambda s: (s + 1, {"loss": base + s + 1})
-
-
-class Tick:
-    """Advances a FakeClock by `secs` per step (a test plugin; it may use after_step)."""
-
-    def __init__(self, clock: FakeClock, secs: float) -> None:
-        self.clock, self.secs = clock, secs
-
-    @loopkit.hookimpl
-    def after_step(self) -> None:
-        self.clock.advance(self.secs)
 
 
 class ResumeAt:
