@@ -24,6 +24,11 @@ def add_note(exc: BaseException, note: str) -> None:
         exc.__notes__ = [*notes, note]  # type: ignore[attr-defined]
 
 
+def has_origin(exc: BaseException) -> bool:
+    """True when a loopkit note already says where `exc` was raised."""
+    return any(n.startswith("raised in loopkit") for n in getattr(exc, "__notes__", ()))
+
+
 class Coordinator:
     """Stops every thread of a session cleanly and keeps the error that stopped it.
 

@@ -70,18 +70,19 @@ class Scheduler:
         self.stop_step: float = NEVER
         self.on_stop_step: Callable[[], None] | None = None
         self._agreement: Agreement | None = None
+        #: seconds spent in each timer's action, by timer name
+        self.spent: dict[str, float] = {}
 
     def add(self, action: Callable[[Any], Any], secs: float | None, steps: int | None,
-            name: str, step: int) -> Timer:
+            name: str, step: int, owner: str | None = None) -> Timer:
+        where = f"session.every(name={name!r}" + (f", plugin {owner!r}" if owner else "") + ")"
         if not secs and not steps:
-            raise ValueError(
-                f"session.every(name={name!r}) needs secs= or steps= (a positive number); "
-                f"got secs={secs!r}, steps={steps!r}"
-            )
+            raise ValueError(f"{where} needs secs= or steps= > 0; "
+                             f"got secs={secs!r}, steps={steps!r}")
         if secs is not None and (isinstance(secs, bool) or not isinstance(secs, (int, float)) or secs < 0):
-            raise ValueError(f"session.every(name={name!r}): secs={secs!r} must be a number >= 0")
+            raise ValueError(f"{where}: secs={secs!r} must be a number >= 0")
         if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 0):
-            raise ValueError(f"session.every(name={name!r}): steps={steps!r} must be an int >= 0")
+            raise ValueError(f"{where}: steps={steps!r} must be an int >= 0")
         timer = Timer(action, secs, steps, name)
         timer.arm(step, self.clock())
         self.timers.append(timer)
@@ -135,10 +136,15 @@ class Scheduler:
             if timer.cancelled:
                 continue
             if step >= timer.next_step or due:
-                timer.action(session)
+                t0 = self.clock()
+                try:
+                    timer.action(session)
+                finally:
+                    now = self.clock()
+                    self.spent[timer.name] = self.spent.get(timer.name, 0.0) + now - t0
                 timer.fired += 1
                 if not timer.cancelled:
-                    timer.arm(step, self.clock())
+                    timer.arm(step, now)
         self._recompute()
 
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 import jax
 import numpy as np
 
-from loopkit.coordinator import Coordinator, LooperThread, add_note
+from loopkit.coordinator import Coordinator, LooperThread, add_note, has_origin
 from loopkit.scheduler import Scheduler, Timer
 
 if TYPE_CHECKING:
@@ -81,6 +81,7 @@ class Session:
         self._coord = coord
         self._clock = clock or time.monotonic
         self._sched = Scheduler(self._clock)
+        self.stats.timer_secs = self._sched.spent  # the scheduler times each action
         self._step_fn = step_fn
         self._donating: Callable[..., Any] = step_fn
         self._plain: Callable[..., Any] = step_fn
@@ -109,18 +110,11 @@ class Session:
                 self._after(session=self, step=step, metrics=metrics)
             sched = self._sched
             if step >= sched.next_step or self._clock() >= sched.next_time:
-                self._run_due(step)
+                sched.run_due(self, step)
             return metrics
         except BaseException as ex:
             self._annotate(ex)
             raise
-
-    def _run_due(self, step: int) -> None:
-        t0 = self._clock()
-        self._sched.run_due(self, step)
-        self.stats.timer_secs["timers"] = self.stats.timer_secs.get("timers", 0.0) + (
-            self._clock() - t0
-        )
 
     def skip_donation_once(self) -> None:
         """Run the next step without donating the state (a second compiled variant).
@@ -186,12 +180,6 @@ class Session:
         owner = getattr(action, "__self__", None)
         owner_name = self.plugin_manager.get_name(owner) if owner is not None else None
         name = name or owner_name or getattr(action, "__name__", "action")
-        if not secs and not steps:
-            raise ValueError(
-                f"session.every(name={name!r}"
-                + (f", plugin {owner_name!r}" if owner_name else "")
-                + f") needs secs= or steps= > 0; got secs={secs!r}, steps={steps!r}"
-            )
 
         def run(session: Session, _action=action, _name=name, _owner=owner_name) -> None:
             try:
@@ -201,7 +189,7 @@ class Session:
                 add_note(ex, f"raised in loopkit {where} at step {session.step}")
                 raise
 
-        return self._sched.add(run, secs, steps, name, self.step)
+        return self._sched.add(run, secs, steps, name, self.step, owner_name)
 
     def loop(self, interval_secs: float | None, target: Callable[..., Any],
              args: tuple | None = None, kwargs: dict | None = None) -> LooperThread:
@@ -279,9 +267,7 @@ class Session:
 
     def _annotate(self, ex: BaseException, fallback: bool = True) -> None:
         """Add a note saying which hook and plugin (or the step function) raised."""
-        if getattr(ex, "__notes__", None) and any(
-            n.startswith("raised in loopkit") for n in ex.__notes__
-        ):
+        if has_origin(ex):
             return
         origin = find_hook_origin(ex, self.plugin_manager)
         if origin is not None:

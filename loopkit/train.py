@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any, Callable, Iterable
 
 from loopkit.config import Config
-from loopkit.coordinator import add_note
+from loopkit.coordinator import add_note, has_origin
 from loopkit.session import Session
 from loopkit.supervisor import Supervisor
 
@@ -62,7 +62,7 @@ def _loop(session: Session) -> None:
             coord.request_stop(reason="data_exhausted")
             break
         except BaseException as ex:
-            if not any(n.startswith("raised in loopkit") for n in getattr(ex, "__notes__", ())):
+            if not has_origin(ex):
                 add_note(ex, f"raised in loopkit reading the data source, for step "
                              f"{session.step + 1}")
             raise

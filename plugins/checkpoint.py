@@ -155,10 +155,7 @@ class CheckpointPlugin:
                             self._path(step), type(ex).__name__, ex)
                 failures.append((step, ex))
                 continue
-            self._adopt(step, state)
-            self._restored = (step, sorted(map(id, jax.tree.leaves(tree))))
-            log.info("loopkit: restored %s", self._path(step))
-            return Restored(tree, step, position, self._path(step))
+            return self._accept(step, tree, position, state)
         if failures:
             details = "; ".join(f"{self._basename}-{s}: {type(e).__name__}: {e}"
                                 for s, e in failures)
@@ -204,13 +201,8 @@ class CheckpointPlugin:
                 failures.append((step, ex))
             ok = multihost_utils.process_allgather(np.asarray(result is not None, np.int32))
             if np.all(np.asarray(ok)):
-                tree, position = result
                 self._on_disk.add(step)
-                self._adopt(step, state)
-                self._restored = (step, sorted(map(id, jax.tree.leaves(tree))))
-                log.info("loopkit: restored %s (agreed by %d processes)", self._path(step),
-                         jax.process_count())
-                return Restored(tree, step, position, self._path(step))
+                return self._accept(step, *result, state)
             log.warning("loopkit: checkpoint %s could not be restored on every process; "
                         "trying the chief's next candidate", self._path(step))
         if tried:
@@ -238,6 +230,14 @@ class CheckpointPlugin:
             log.info("loopkit: waiting for %s to appear (recovery_wait_secs=%s)",
                      self._path(step), self.config.recovery_wait_secs)
             time.sleep(poll)
+
+    def _accept(self, step: int, tree: PyTree, position: Any,
+                state: CheckpointState | None) -> Restored:
+        """Take `step` as the recovered checkpoint (one process or all of them)."""
+        self._adopt(step, state)
+        self._restored = (step, sorted(map(id, jax.tree.leaves(tree))))
+        log.info("loopkit: restored %s", self._path(step))
+        return Restored(tree, step, position, self._path(step))
 
     def _adopt(self, step: int, state: CheckpointState | None) -> None:
         """Take the `checkpoint` file's list up to the restored step.

@@ -28,7 +28,7 @@ import jax
 import numpy as np
 
 from loopkit.config import Config
-from loopkit.coordinator import add_note
+from loopkit.coordinator import add_note, has_origin
 from loopkit.hookspec import hookimpl
 
 INACTIVE = "Config.prefetch is 0 and neither data_transform nor data_sharding is set"
@@ -115,7 +115,7 @@ def _doing(doing: str, fn: Any, *args: Any) -> Any:
 
 
 def _note(ex: BaseException, doing: str) -> None:
-    if any(n.startswith("raised in loopkit") for n in getattr(ex, "__notes__", ())):
+    if has_origin(ex):
         return
     name = threading.current_thread().name
     if name.startswith("loopkit-prefetch"):
