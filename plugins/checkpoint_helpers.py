@@ -91,7 +91,7 @@ def latest_checkpoint(logdir: str | os.PathLike[str], *,
     return None if step is None else (step, str(logdir / f"{base}-{step}"))
 
 
-def _resolve(target: Path) -> tuple[Path, str, int]:
+def locate_checkpoint(target: Path) -> tuple[Path, str, int]:
     """(directory, basename, step) of a checkpoint path or of a logdir's latest."""
     name = target.name[: -len(NPZ_EXT)] if target.name.endswith(NPZ_EXT) else target.name
     parts = split_name(name)
@@ -109,7 +109,7 @@ def _resolve(target: Path) -> tuple[Path, str, int]:
     return target, _basename(target, None), found[0]
 
 
-def _backend_for(directory: Path, basename: str, step: int) -> Any:
+def backend_for(directory: Path, basename: str, step: int) -> Any:
     """The backend that wrote the checkpoint: ``<name>.npz`` is npz, ``<name>/`` orbax."""
     name = f"{basename}-{step}"
     if (directory / f"{name}{NPZ_EXT}").is_file():
@@ -138,8 +138,8 @@ def load_checkpoint(logdir_or_path: str | os.PathLike[str], like: PyTree = None)
     by the path components (``state["params"]["w"]``, sequence indices as
     ``"0"``, ``"1"``...).
     """
-    directory, basename, step = _resolve(Path(logdir_or_path).absolute())
-    backend = _backend_for(directory, basename, step)
+    directory, basename, step = locate_checkpoint(Path(logdir_or_path).absolute())
+    backend = backend_for(directory, basename, step)
     try:
         state, _ = backend.restore(step, place_like(like))
     finally:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import fnmatch
 import os
-import re
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -50,36 +49,12 @@ def plugin(config: Config) -> InitPlugin:
 
 # -- loading a pretrained checkpoint ---------------------------------------------------
 
-_STEP_NAME = re.compile(r"^(?P<base>.+)-(?P<step>\d+)$")
-
-
 def _resolve(logdir_or_path: str | os.PathLike[str]) -> tuple[Any, int, str]:
     """(backend, step, path) for a logdir (its latest checkpoint) or a checkpoint path."""
-    from loopkit.plugins.checkpoint import latest_checkpoint
+    from loopkit.plugins.checkpoint_helpers import backend_for, locate_checkpoint
 
-    src = Path(logdir_or_path).absolute()
-    match = _STEP_NAME.match(src.name)
-    is_ckpt = match is not None and (
-        src.with_name(src.name + ".npz").is_file()
-        or (src.is_dir() and not (src / "checkpoint").exists())
-    )
-    if not is_ckpt:
-        if src.suffix == ".npz" and _STEP_NAME.match(src.stem):
-            return _resolve(src.with_suffix(""))
-        found = latest_checkpoint(src)
-        if found is None:
-            raise FileNotFoundError(f"from_pretrained: no checkpoint in {str(src)!r}")
-        src = Path(found[1])
-        match = _STEP_NAME.match(src.name)
-        assert match is not None
-    base, step = match["base"], int(match["step"])
-    if src.with_name(src.name + ".npz").is_file():
-        from loopkit.plugins.npz_backend import NpzBackend
-
-        return NpzBackend(src.parent, base), step, str(src)
-    from loopkit.plugins.orbax_backend import OrbaxBackend
-
-    return OrbaxBackend(src.parent, base), step, str(src)
+    directory, basename, step = locate_checkpoint(Path(logdir_or_path).absolute())
+    return backend_for(directory, basename, step), step, str(directory / f"{basename}-{step}")
 
 
 def _renamed(path: str, rename: Mapping[str, str]) -> str:
