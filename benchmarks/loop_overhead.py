@@ -3,7 +3,9 @@
     python benchmarks/loop_overhead.py [--repeats 7] [--quick]
 
 For each workload the per-step time is the slope between a short and a long run
-in the same process (so compilation and start-up cancel out), repeated, median.
+in the same process (so compilation and start-up cancel out). The bare loop and
+loopkit are measured in turns, repeat after repeat; the ratio is the median of the
+per-repeat ratios, so drift of a shared machine hits both sides alike.
 loopkit runs with every default built-in on (logdir set: checkpoints, summaries,
 step counter, progress, prefetch) but with timers that do not fire during the
 measurement, which is what a long run sees between two checkpoints.
@@ -110,13 +112,17 @@ def with_loopkit(step_fn, init, batches, n, logdir):
     return marks["stop"] - marks["start"]
 
 
-def slope(run, n_short, n_long, repeats):
-    per_step = []
+def paired_slopes(bare_run, loopkit_run, n_short, n_long, repeats):
+    """Per-step times of both loops, measured in turns so that drift of the machine
+    (other processes, frequency) hits both alike; medians, and the median ratio."""
+    bare, lk, ratios = [], [], []
     for _ in range(repeats):
-        short = run(n_short)
-        long = run(n_long)
-        per_step.append((long - short) / (n_long - n_short))
-    return statistics.median(per_step)
+        b = (bare_run(n_long) - bare_run(n_short)) / (n_long - n_short)
+        k = (loopkit_run(n_long) - loopkit_run(n_short)) / (n_long - n_short)
+        bare.append(b)
+        lk.append(k)
+        ratios.append(k / b)
+    return statistics.median(bare), statistics.median(lk), statistics.median(ratios)
 
 
 def main(argv=None):
@@ -145,11 +151,11 @@ def main(argv=None):
     print(f"{'workload':34} {'bare µs/step':>13} {'loopkit µs/step':>16} "
           f"{'added µs':>9} {'ratio':>7}")
     for name, fn, init, batches, n_short, n_long in workloads:
-        b = slope(lambda n: bare(fn, init, batches, n), n_short, n_long, args.repeats)
-        lk = slope(lambda n: with_loopkit(fn, init, batches, n, logdir()), n_short, n_long,
-                   args.repeats)
+        b, lk, ratio = paired_slopes(lambda n: bare(fn, init, batches, n),
+                                     lambda n: with_loopkit(fn, init, batches, n, logdir()),
+                                     n_short, n_long, args.repeats)
         print(f"{name:34} {b * 1e6:13.2f} {lk * 1e6:16.2f} {(lk - b) * 1e6:9.2f} "
-              f"{lk / b:7.3f}")
+              f"{ratio:7.3f}")
     sys.stdout.flush()
 
 
