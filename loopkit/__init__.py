@@ -10,6 +10,7 @@ from loopkit.coordinator import Coordinator
 from loopkit.errors import CheckpointError, NonFiniteError, PluginError
 from loopkit.hookspec import hookimpl, hookspec
 from loopkit.session import Session
+from loopkit.stash import StashKey
 from loopkit.supervisor import Supervisor
 from loopkit.train import TrainResult, train
 
@@ -24,6 +25,7 @@ __all__ = [
     "PluginError",
     "Restored",
     "Session",
+    "StashKey",
     "Supervisor",
     "TrainResult",
     "checkpoints_iterator",

@@ -13,15 +13,9 @@ def _plugins(args: argparse.Namespace) -> int:
     from loopkit.config import Config
     from loopkit.manager import make_plugin_manager
 
-    # A config under which every built-in is active, so each shows its hooks; the
-    # opt-in ones are marked. (Nothing is written: plugins only start in a session.)
-    listing = Config(logdir="LOGDIR", nan_guard="METRIC", profile_steps=(1, 1))
-    pm = make_plugin_manager(listing)
-    opt_in = {"nan_guard": "Config.nan_guard", "profiler": "Config.profile_steps"}
-    rows = [
-        (name, f"{origin} (opt-in: {opt_in[name]})" if name in opt_in else origin, hooks)
-        for name, origin, hooks in pm.describe()
-    ]
+    # What a run with a logdir and otherwise default Config uses; a built-in it
+    # leaves off says why. (Nothing is written: plugins only start in a session.)
+    rows = make_plugin_manager(Config(logdir="LOGDIR")).describe()
     width = max((len(n) for n, _, _ in rows), default=4)
     owidth = max((len(o) for _, o, _ in rows), default=8)
     for name, origin, hooks in rows:

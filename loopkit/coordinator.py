@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import signal
 import threading
 import time
 from typing import Any, Callable, Iterator
 
-__all__ = ["Coordinator", "LooperThread"]
+__all__ = ["Coordinator", "LooperThread", "SignalHandlers"]
 
 log = logging.getLogger("loopkit")
 
@@ -33,7 +34,7 @@ class Coordinator:
     """Stops every thread of a session cleanly and keeps the error that stopped it.
 
     As `tf.train.Coordinator`: `request_stop(ex)` sets a flag that cannot be unset;
-    the first exception wins and is re-raised by `raise_requested_exception()`;
+    the first exception wins and is re-raised when the session closes;
     `StopIteration` (exhausted input) is a clean stop.
     """
 
@@ -102,10 +103,6 @@ class Coordinator:
         self._threads = stragglers
         return stragglers
 
-    def raise_requested_exception(self) -> None:
-        if self.exception is not None:
-            raise self.exception
-
 
 class LooperThread(threading.Thread):
     """Calls `target(*args, **kwargs)` every `interval_secs` until the coordinator stops.
@@ -144,3 +141,50 @@ class LooperThread(threading.Thread):
         except BaseException as ex:  # noqa: BLE001 - handed to the main thread
             add_note(ex, f"raised in loopkit thread {self.name!r}")
             self._coord.request_stop(ex)
+
+
+class SignalHandlers:
+    """SIGINT/SIGTERM during a session: the first stops after the current step.
+
+    A second signal aborts (KeyboardInterrupt). With many processes the stop
+    waits for the processes to agree on a step (`Coordinator.signal_pending`),
+    so none is left in a collective the others skipped. Installed only in the
+    main thread; `restore()` puts the previous handlers back.
+    """
+
+    def __init__(self, coord: Coordinator) -> None:
+        self.coord = coord
+        self._saved: dict[int, Any] = {}
+        self._seen = 0
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self._saved[sig] = signal.signal(sig, self._handle)
+            except (ValueError, OSError):  # pragma: no cover - not the main interpreter
+                pass
+
+    def restore(self) -> None:
+        for sig, old in self._saved.items():
+            signal.signal(sig, old)
+        self._saved.clear()
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        import jax
+
+        self._seen += 1
+        if self._seen > 1:
+            self.restore()
+            raise KeyboardInterrupt
+        log.warning(
+            "loopkit: got %s, stopping after the current step%s",
+            signal.Signals(signum).name,
+            " (press Ctrl-C again to abort)" if signum == signal.SIGINT else
+            " (a second signal aborts)",
+        )
+        if jax.process_count() > 1:
+            self.coord.signal_pending = True
+        else:
+            self.coord.request_stop(reason="signal")

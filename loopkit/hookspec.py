@@ -15,6 +15,7 @@ import pluggy
 if TYPE_CHECKING:
     from loopkit.checkpoint import CheckpointBackend, Restored
     from loopkit.config import Config
+    from loopkit.manager import PluginManager
     from loopkit.session import Session
 
 hookspec = pluggy.HookspecMarker("loopkit")
@@ -74,6 +75,19 @@ def on_stop(session: Session, error: BaseException | None) -> None:
 
     :param session: the `loopkit.Session`.
     :param error: the exception that stopped the run, or None for a normal stop.
+    """
+
+
+@hookspec(historic=True)
+def plugin_registered(plugin: Any, manager: PluginManager) -> None:
+    """A plugin was registered with the session's plugin manager.
+
+    Historic: a plugin registered later is also called for every plugin
+    registered before it, itself included. `loopkit.testing.HookRecorder` uses it
+    to start pluggy's hook-call monitoring.
+
+    :param plugin: the plugin object just registered.
+    :param manager: the session's `loopkit.manager.PluginManager`.
     """
 
 

@@ -5,15 +5,20 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import inspect
+import logging
 import os
 from typing import TYPE_CHECKING, Any, Iterable
 
 import pluggy
 
+from loopkit.coordinator import add_note
 from loopkit.errors import PluginError
 
 if TYPE_CHECKING:
     from loopkit.config import Config
+    from loopkit.session import Session
+
+log = logging.getLogger("loopkit")
 
 __all__ = ["BUILTINS", "AUTOLOAD_ENV", "PluginManager", "make_plugin_manager"]
 
@@ -48,8 +53,79 @@ class PluginManager(pluggy.PluginManager):
         #: built-ins that this config leaves inactive (e.g. nan_guard without a metric)
         self.inactive: dict[str, str] = {}
 
+    def register(self, plugin: Any, name: str | None = None) -> str | None:
+        """Register `plugin`; a wrapper on `on_stop` is refused, naming the plugin.
+
+        `on_stop` must reach every implementation even when one raises, so it is
+        called implementation by implementation (`call_on_stop`), which a
+        wrapper's ``yield`` around the others cannot take part in.
+        """
+        impl = getattr(plugin, "on_stop", None)
+        opts = self.parse_hookimpl_opts(plugin, "on_stop") if impl is not None else None
+        if opts and (opts.get("wrapper") or opts.get("hookwrapper")):
+            raise PluginError(
+                f"plugin {name or _plugin_name(plugin)!r}: on_stop may not be a hook wrapper "
+                "(every on_stop implementation runs, even after one raises); implement it "
+                "as a plain @loopkit.hookimpl"
+            )
+        registered = super().register(plugin, name)
+        self.hook.plugin_registered.call_historic(kwargs={"plugin": plugin, "manager": self})
+        return registered
+
     def builtin_names(self) -> list[str]:
+        """The registered built-ins, in start order."""
         return [n for n in BUILTINS if self.origins.get(n) == "built-in"]
+
+    def builtin_plugins(self) -> list[Any]:
+        return [self.get_plugin(n) for n in self.builtin_names()]
+
+    def call_on_stop(self, session: Session, error: BaseException | None) -> list[BaseException]:
+        """Call every `on_stop` implementation, even when one raises; return their errors.
+
+        Other plugins first (in pluggy's order), then the built-ins in the reverse
+        of their start order. Once one raises after a clean run, the later ones
+        see that error: they must not, e.g., save a final checkpoint of a state a
+        NaN guard just rejected.
+        """
+        impls = list(reversed(self.hook.on_stop.get_hookimpls()))
+        rank = {name: i for i, name in enumerate(self.builtin_names())}
+        others = [i for i in impls if i.plugin_name not in rank]
+        builtins = sorted((i for i in impls if i.plugin_name in rank),
+                          key=lambda i: -rank[i.plugin_name])
+        errors: list[BaseException] = []
+        kwargs: dict[str, Any] = {"session": session, "error": error}
+        for impl in others + builtins:
+            try:
+                impl.function(*(kwargs[a] for a in impl.argnames))
+            except BaseException as ex:  # noqa: BLE001 - every on_stop must run
+                add_note(ex, f"raised in loopkit hook 'on_stop' of plugin {impl.plugin_name!r}")
+                log.error("loopkit: on_stop of plugin %r raised %r", impl.plugin_name, ex)
+                ex._loopkit_plugin = impl.plugin_name  # type: ignore[attr-defined]
+                errors.append(ex)
+                if kwargs["error"] is None:
+                    kwargs["error"] = ex
+        return errors
+
+    def find_hook_origin(self, ex: BaseException) -> tuple[str, str] | None:
+        """(hook name, plugin name) of the innermost hook implementation in `ex`'s traceback.
+
+        pluggy stops at the first exception without saying which implementation
+        raised; the traceback does.
+        """
+        codes: dict[Any, tuple[str, str]] = {}
+        for name, caller in vars(self.hook).items():
+            if not hasattr(caller, "get_hookimpls"):
+                continue
+            for impl in caller.get_hookimpls():
+                fn = getattr(impl.function, "__func__", impl.function)
+                code = getattr(fn, "__code__", None)
+                if code is not None:
+                    codes[code] = (name, impl.plugin_name)
+        tb, found = ex.__traceback__, None
+        while tb is not None:
+            found = codes.get(tb.tb_frame.f_code, found)
+            tb = tb.tb_next
+        return found
 
     def describe(self) -> list[tuple[str, str, list[str]]]:
         """(name, origin, hooks) for every plugin, registered or inactive."""
@@ -61,8 +137,18 @@ class PluginManager(pluggy.PluginManager):
             ) if plugin is not None else []
             rows.append((name, origin, hooks))
         for name, why in self.inactive.items():
-            rows.append((name, f"built-in, inactive: {why}", []))
+            module = importlib.import_module(f"loopkit.plugins.{name}")
+            rows.append((name, f"built-in, inactive: {why}", _module_hooks(module)))
         return rows
+
+
+def _module_hooks(module: Any) -> list[str]:
+    """The hooks implemented by the plugin classes defined in `module`."""
+    hooks = set()
+    for obj in vars(module).values():
+        if inspect.isclass(obj) and obj.__module__ == module.__name__:
+            hooks.update(n for n, v in vars(obj).items() if hasattr(v, "loopkit_impl"))
+    return sorted(hooks)
 
 
 def _plugin_name(obj: Any) -> str:

@@ -24,7 +24,7 @@ class Timer:
     the action last returned. When either fires, both are re-armed.
     """
 
-    __slots__ = ("action", "secs", "steps", "name", "next_step", "next_time", "cancelled", "fired")
+    __slots__ = ("action", "secs", "steps", "name", "next_step", "next_time", "cancelled", "once")
 
     def __init__(
         self, action: Callable[[Any], Any], secs: float | None, steps: int | None, name: str
@@ -36,7 +36,8 @@ class Timer:
         self.next_step: float = NEVER
         self.next_time: float = NEVER
         self.cancelled = False
-        self.fired = 0
+        #: a one-shot timer (`Scheduler.once`) fires at `next_step` and is then cancelled
+        self.once = False
 
     def arm(self, step: int, now: float) -> None:
         self.next_step = (step // self.steps + 1) * self.steps if self.steps else NEVER
@@ -73,8 +74,9 @@ class Scheduler:
         #: seconds spent in each timer's action, by timer name
         self.spent: dict[str, float] = {}
 
-    def add(self, action: Callable[[Any], Any], secs: float | None, steps: int | None,
-            name: str, step: int, owner: str | None = None) -> Timer:
+    def add(self, action: Callable[[Any], Any], secs: float | None = None,
+            steps: int | None = None, name: str = "action", step: int = 0,
+            owner: str | None = None) -> Timer:
         where = f"session.every(name={name!r}" + (f", plugin {owner!r}" if owner else "") + ")"
         if not secs and not steps:
             raise ValueError(f"{where} needs secs= or steps= > 0; "
@@ -85,6 +87,19 @@ class Scheduler:
             raise ValueError(f"{where}: steps={steps!r} must be an int >= 0")
         timer = Timer(action, secs, steps, name)
         timer.arm(step, self.clock())
+        self.timers.append(timer)
+        self._recompute()
+        return timer
+
+    def once(self, action: Callable[[Any], Any], step: int, name: str = "action",
+             owner: str | None = None) -> Timer:
+        """A timer that fires once, at the boundary after global step `step`."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+            where = f"session.at_step(name={name!r}" + (f", plugin {owner!r}" if owner else "")
+            raise ValueError(f"{where}): step={step!r} must be an int >= 1")
+        timer = Timer(action, None, None, name)
+        timer.once = True
+        timer.next_step = step
         self.timers.append(timer)
         self._recompute()
         return timer
@@ -142,8 +157,9 @@ class Scheduler:
                 finally:
                     now = self.clock()
                     self.spent[timer.name] = self.spent.get(timer.name, 0.0) + now - t0
-                timer.fired += 1
-                if not timer.cancelled:
+                if timer.once:
+                    timer.cancel()
+                elif not timer.cancelled:
                     timer.arm(step, now)
         self._recompute()
 

@@ -1,35 +1,48 @@
-"""`Session`: what every hook receives, and the per-step path."""
+"""`Session`: one training session. It opens, runs the per-step path, and closes.
+
+Opening follows the Supervisor's `prepare_or_wait_for_session`: recover from a
+checkpoint, else `init` then `init_fn`; then `local_init_fn`; then the ready
+check; then the services start (`session_create`). Closing stops every thread,
+runs every `on_stop`, and re-raises the error that stopped the session.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import jax
 import numpy as np
 
-from loopkit.coordinator import Coordinator, LooperThread, add_note, has_origin
-from loopkit.scheduler import Scheduler, Timer
+from loopkit.coordinator import Coordinator, LooperThread, SignalHandlers, add_note, has_origin
+from loopkit.data import make_input
+from loopkit.pytree import abstract, check_matches, concrete_like, conform
+from loopkit.scheduler import Agreement, Scheduler, Timer
+from loopkit.stash import Stash, StashKey
+from loopkit.step import CompiledStep
+from loopkit.writer import write_values
 
 if TYPE_CHECKING:
+    import threading
+
     from loopkit.checkpoint import Restored
     from loopkit.config import Config
     from loopkit.data import Input
     from loopkit.manager import PluginManager
 
-__all__ = ["Session", "SessionStats"]
+__all__ = ["Session", "SessionStats", "Stash", "StashKey"]
+
+log = logging.getLogger("loopkit")
 
 PyTree = Any
 
 
 @dataclasses.dataclass
 class SessionStats:
-    """Where loopkit's own time goes; the summaries plugin reports it."""
+    """Where loopkit's own time goes; the summaries and progress plugins report it."""
 
-    #: wall time when the session's first step was about to run
-    start_time: float = 0.0
     #: seconds spent in timer actions (checkpoints, summaries, ...), by timer name
     timer_secs: dict[str, float] = dataclasses.field(default_factory=dict)
     #: seconds the loop waited for input (prefetch queue empty)
@@ -43,14 +56,6 @@ class SessionStats:
         return sum(self.timer_secs.values()) + self.input_wait_secs
 
 
-def _copy(x: Any) -> Any:
-    return x.copy() if isinstance(x, jax.Array) else x
-
-
-def _is_jitted(fn: Any) -> bool:
-    return callable(getattr(fn, "lower", None)) and callable(getattr(fn, "eval_shape", None))
-
-
 class Session:
     """One training session: the state, the global step, and the services around it.
 
@@ -59,35 +64,39 @@ class Session:
     ``step += 1`` -> ``after_step`` (only if implemented) -> one timer check.
     """
 
-    def __init__(self, config: Config, pm: PluginManager, coord: Coordinator,
-                 step_fn: Callable[..., Any], clock: Callable[[], float] | None = None) -> None:
+    def __init__(self, config: Config, pm: PluginManager, step_fn: Callable[..., Any],
+                 coord: Coordinator | None = None,
+                 clock: Callable[[], float] | None = None) -> None:
         self.config = config
-        self.logdir: Path | None = config.logdir_path
+        self.logdir = config.logdir_path
         self.is_chief: bool = (
             config.is_chief if config.is_chief is not None else jax.process_index() == 0
         )
         self.state: PyTree = None
         self.step: int = 0
         self.metrics: Mapping[str, Any] = {}
+        #: the chief's event writer while the summaries plugin runs (a tensorboardX
+        #: `SummaryWriter`), else None
         self.summary_writer: Any = None
         #: what `restore_state` recovered, or None for a fresh start
         self.restored: Restored | None = None
         #: the input the loop reads (None when `train` got ``data=None`` or in the
         #: Supervisor idiom, where the user feeds `run(batch)`)
         self.input: Input | None = None
+        #: per-session plugin state (`StashKey` -> value)
+        self.stash = Stash()
         self.stats = SessionStats()
         self.plugin_manager = pm
         self.hook = pm.hook
-        self._coord = coord
+        self.coord = coord if coord is not None else Coordinator()
         self._clock = clock or time.monotonic
         self._sched = Scheduler(self._clock)
         self.stats.timer_secs = self._sched.spent  # the scheduler times each action
         self._step_fn = step_fn
-        self._donating: Callable[..., Any] = step_fn
-        self._plain: Callable[..., Any] = step_fn
-        self._call: Callable[..., Any] = step_fn
+        self._compiled: Any = None
         self._before: Any = None
         self._after: Any = None
+        self._signals = SignalHandlers(self.coord)
         self._host: dict[str, Any] = {}
         self._host_step = -1
         self._host_src: Any = None
@@ -103,7 +112,7 @@ class Session:
         try:
             if self._before is not None:
                 self._before(session=self, step=self.step)
-            self.state, metrics = self._call(self.state, *batch)
+            self.state, metrics = self._compiled.call(self.state, *batch)
             self.step = step = self.step + 1
             self.metrics = metrics
             if self._after is not None:
@@ -116,24 +125,6 @@ class Session:
             self._annotate(ex)
             raise
 
-    def skip_donation_once(self) -> None:
-        """Run the next step without donating the state (a second compiled variant).
-
-        A saver that still reads the current state's buffers in the background
-        calls this: the next step then writes fresh buffers instead of reusing
-        the ones being saved. It costs one extra state in memory while the write
-        runs, and no copy on the loop.
-        """
-        if self._plain is self._donating:
-            return
-        donating, plain = self._donating, self._plain
-
-        def once(*args: Any) -> Any:
-            self._call = donating
-            return plain(*args)
-
-        self._call = once
-
     # -- what hooks and users call ---------------------------------------------------
 
     @property
@@ -143,6 +134,15 @@ class Session:
         Timers and `stats` use it, so rates and shares computed with it agree.
         """
         return self._clock
+
+    def skip_donation_once(self) -> None:
+        """Run the next step without donating the state (a second compiled variant).
+
+        A saver that still reads the current state's buffers in the background
+        calls this: the next step then writes fresh buffers instead of reusing
+        the ones being saved.
+        """
+        self._compiled.skip_donation_once()
 
     def host_metrics(self) -> dict[str, Any]:
         """The latest metrics as host values: floats for scalars, numpy arrays otherwise.
@@ -161,13 +161,18 @@ class Session:
             self.stats.host_conversions += 1
         return self._host
 
+    @property
+    def stop_reason(self) -> str | None:
+        """None while running; then "max_steps", "data_exhausted", "requested" or "signal"."""
+        return self.coord.reason if self.coord.stopped else None
+
     def should_stop(self) -> bool:
         """True once a stop was requested (max_steps, a signal, an error, ...)."""
-        return self._coord.stopped
+        return self.coord.stopped
 
     def request_stop(self, ex: BaseException | None = None) -> None:
         """Stop after the current step; `ex` (first one wins) is re-raised at the end."""
-        self._coord.request_stop(ex)
+        self.coord.request_stop(ex)
 
     def every(self, action: Callable[[Session], Any], secs: float | None = None,
               steps: int | None = None, name: str | None = None) -> Timer:
@@ -177,6 +182,22 @@ class Session:
         and are re-armed when they return. They do not fire at the stop: do final
         work in `on_stop`. Returns a handle with `cancel()`.
         """
+        run, name, owner = self._timer_action(action, name)
+        return self._sched.add(run, secs, steps, name, self.step, owner)
+
+    @property
+    def timers(self) -> tuple[Timer, ...]:
+        """The live timers of this session (name, secs, steps), in registration order."""
+        return tuple(t for t in self._sched.timers if not t.cancelled)
+
+    def at_step(self, step: int, action: Callable[[Session], Any],
+                name: str | None = None) -> Timer:
+        """Run `action(session)` once, at the boundary after global step `step`."""
+        run, name, owner = self._timer_action(action, name)
+        return self._sched.once(run, step, name, owner)
+
+    def _timer_action(self, action: Callable[[Session], Any],
+                      name: str | None) -> tuple[Callable[[Session], Any], str, str | None]:
         owner = getattr(action, "__self__", None)
         owner_name = self.plugin_manager.get_name(owner) if owner is not None else None
         name = name or owner_name or getattr(action, "__name__", "action")
@@ -189,7 +210,7 @@ class Session:
                 add_note(ex, f"raised in loopkit {where} at step {session.step}")
                 raise
 
-        return self._sched.add(run, secs, steps, name, self.step, owner_name)
+        return run, name, owner_name
 
     def loop(self, interval_secs: float | None, target: Callable[..., Any],
              args: tuple | None = None, kwargs: dict | None = None) -> LooperThread:
@@ -198,60 +219,138 @@ class Session:
         The Supervisor's LooperThread: it stops with the session, is joined within
         `stop_grace_secs`, and an exception in it stops the run and is re-raised.
         """
-        thread = LooperThread(self._coord, interval_secs, target, args or (), kwargs)
-        self._coord.register_thread(thread)
+        thread = LooperThread(self.coord, interval_secs, target, args or (), kwargs)
+        self.register_thread(thread)
         thread.start()
         return thread
 
+    def register_thread(self, thread: threading.Thread) -> None:
+        """Join `thread` within `stop_grace_secs` when the session stops.
+
+        A service thread should poll `should_stop()` and hand its exception to
+        `request_stop(ex)`, which stops the run and re-raises it at the end.
+        """
+        self.coord.register_thread(thread)
+
     def summary_computed(self, values: Mapping[str, Any], step: int | None = None) -> None:
-        """Write `values` (tag -> scalar or array) to the event file at `step`.
+        """Write `values` (tag -> scalar, array or text) to the event file at `step`.
 
         `step=None` means the current global step. Scalars become scalar
-        summaries, arrays histograms. Does nothing on a non-chief; a chief
-        without a summary writer (no logdir) raises `RuntimeError`.
+        summaries, arrays histograms, anything else text. Does nothing on a
+        non-chief; a chief without a summary writer (no logdir) raises
+        `RuntimeError`.
         """
         if not self.is_chief:
             return
-        writer = self.summary_writer
-        if writer is None:
+        if self.summary_writer is None:
             raise RuntimeError(
                 "summary_computed needs a summary writer: a chief with Config.logdir set and "
                 "the 'summaries' plugin enabled, called while the session runs"
             )
-        step = self.step if step is None else int(step)
-        for tag, value in values.items():
-            arr = np.asarray(value)
-            if arr.ndim == 0 and arr.dtype.kind in "biuf":
-                writer.add_scalar(tag, float(arr), step)
-            elif arr.dtype.kind in "biuf":
-                writer.add_histogram(tag, arr, step)
-            else:
-                writer.add_text(tag, str(value), step)
+        write_values(self.summary_writer, values, self.step if step is None else int(step))
 
-    # -- internals -------------------------------------------------------------------
+    # -- opening ---------------------------------------------------------------------
 
-    def _compile(self, protect_first_step: bool) -> None:
-        fn, cfg = self._step_fn, self.config
-        if _is_jitted(fn):
-            # Already jitted, maybe with donate_argnums=0 that we cannot undo: the
-            # "plain" variant feeds it a copy, so the buffers a saver (or the
-            # caller's init) still holds are never donated.
-            def plain(state: Any, *batch: Any) -> Any:
-                return fn(jax.tree.map(_copy, state), *batch)
+    def open(self, init: Any, data: Any = None) -> None:
+        """Recover or initialise the state, check it, then start every service."""
+        self._signals.install()
+        try:
+            self._prepare(init, data)
+        except BaseException as ex:
+            self.close(ex)  # runs on_stop, re-raises
+            raise
 
-            donating = fn
-        elif not cfg.jit:
-            donating = plain = fn
-        else:
-            plain = jax.jit(fn)
-            donating = jax.jit(fn, donate_argnums=0) if cfg.donate else plain
-        self._donating, self._plain, self._call = donating, plain, donating
-        if protect_first_step:
-            # The caller's own init arrays must stay valid after `train` returns.
-            self.skip_donation_once()
+    def _prepare(self, init: Any, data: Any) -> None:
         hook = self.hook
+        built = None  # init() run for real because it could not be traced
+        if callable(init):
+            try:
+                like = concrete_like(init, jax.eval_shape(init))
+            except jax.errors.JAXTypeError as ex:
+                # e.g. numpy or float() on a traced value: build it once, for real
+                log.info("loopkit: init could not be traced (%s); calling it", type(ex).__name__)
+                built = init()
+                like = abstract(built)
+        else:
+            like = abstract(init)
+        restored = hook.restore_state(session=self, like=like)
+        if restored is not None:
+            self.restored = restored
+            self.state = conform(restored.state, like)
+            self.step = int(restored.step)
+            protect = False
+        else:
+            state = built if built is not None else init() if callable(init) else init
+            new = hook.init_state(session=self, state=state)
+            self.state = state if new is None else new
+            protect = not callable(init)
+        hook.local_init(session=self)
+        check_matches(
+            self.state, like,
+            "the restored state" if restored is not None else "the state after init_fn",
+        )
+        if data is not None:
+            self.input = make_input(
+                data, self.step, restored.data_position if restored is not None else None,
+                restored is not None, self.config.data_sharding,
+            )
+        self._compiled = CompiledStep(self._step_fn, self.config)
+        if protect:  # the caller's own init arrays must stay valid after `train` returns
+            self._compiled.skip_donation_once()
         self._before = hook.before_step if hook.before_step.get_hookimpls() else None
         self._after = hook.after_step if hook.after_step.get_hookimpls() else None
+        self._arm_stops()
+        # Built-in services' session_create are `tryfirst`: they start before every
+        # other plugin's, so the summary writer and the checkpoint backend are ready.
+        hook.session_create(session=self)
+
+    def _arm_stops(self) -> None:
+        coord, max_steps = self.coord, self.config.max_steps
+        if max_steps is not None:
+            if self.step >= max_steps:
+                coord.request_stop(reason="max_steps")
+            self._sched.set_stop_step(max_steps, lambda: coord.request_stop(reason="max_steps"))
+        if jax.process_count() > 1:
+            self._sched.agree_with(Agreement(
+                _allreduce_max, lambda: coord.signal_pending,
+                lambda: coord.request_stop(reason="signal"), self._clock,
+            ), self.step)
+
+    # -- closing ---------------------------------------------------------------------
+
+    def close(self, error: BaseException | None = None) -> None:
+        """Stop: join the threads, run every `on_stop`, re-raise what stopped the session.
+
+        `error` is the exception that ended the session's block, or None for a
+        normal exit. Every `on_stop` runs even if one raises; an `on_stop` error
+        after a clean run is raised, after a failed run it becomes a note.
+        """
+        coord = self.coord
+        if error is not None and not isinstance(error, StopIteration):
+            self._annotate(error, fallback=False)  # run() annotates the step's own
+        coord.request_stop(error)
+        try:
+            coord.join(self.config.stop_grace_secs)
+        except BaseException as ex:  # noqa: BLE001 - a second Ctrl-C: still run on_stop
+            coord.request_stop(ex)
+        error = coord.exception
+        try:
+            stop_errors = self.plugin_manager.call_on_stop(self, error)
+        finally:
+            self.summary_writer = None  # closed by now
+            self._end()
+            self._signals.restore()
+        if error is None and coord.exception is not None:
+            error = coord.exception  # a thread failed during shutdown
+        if error is not None:
+            for ex in stop_errors:
+                add_note(error, _also(ex))
+            raise error
+        if stop_errors:
+            first = stop_errors[0]
+            for ex in stop_errors[1:]:
+                add_note(first, _also(ex))
+            raise first
 
     def _end(self) -> None:
         """The session is over: `run` now raises instead of stepping a closed session."""
@@ -262,14 +361,16 @@ class Session:
             add_note(err, "raised in loopkit's Session.run after the session ended")
             raise err
 
-        self._call = self._donating = self._plain = ended
+        if self._compiled is None:
+            self._compiled = CompiledStep(ended, self.config.replace(jit=False))
+        self._compiled.call = self._compiled.donating = self._compiled.plain = ended
         self._before = self._after = None
 
     def _annotate(self, ex: BaseException, fallback: bool = True) -> None:
         """Add a note saying which hook and plugin (or the step function) raised."""
         if has_origin(ex):
             return
-        origin = find_hook_origin(ex, self.plugin_manager)
+        origin = self.plugin_manager.find_hook_origin(ex)
         if origin is not None:
             hook_name, plugin_name = origin
             add_note(ex, f"raised in loopkit hook {hook_name!r} of plugin {plugin_name!r} "
@@ -278,21 +379,15 @@ class Session:
             add_note(ex, f"raised in loopkit's step function at step {self.step + 1}")
 
 
-def find_hook_origin(ex: BaseException, pm: PluginManager) -> tuple[str, str] | None:
-    """(hook name, plugin name) of the hook implementation in `ex`'s traceback."""
-    codes: dict[Any, tuple[str, str]] = {}
-    for name, caller in vars(pm.hook).items():
-        if not hasattr(caller, "get_hookimpls"):
-            continue
-        for impl in caller.get_hookimpls():
-            code = getattr(getattr(impl.function, "__func__", impl.function), "__code__", None)
-            if code is not None:
-                codes[code] = (name, impl.plugin_name)
-    tb = ex.__traceback__
-    found = None
-    while tb is not None:
-        hit = codes.get(tb.tb_frame.f_code)
-        if hit is not None:
-            found = hit  # keep the innermost implementation
-        tb = tb.tb_next
-    return found
+def _also(ex: BaseException) -> str:
+    plugin = getattr(ex, "_loopkit_plugin", None)
+    where = f"on_stop of plugin {plugin!r} raised " if plugin else ""
+    return f"while stopping, also: {where}{type(ex).__name__}: {ex}"
+
+
+def _allreduce_max(vector: list[int]) -> list[int]:
+    """Element-wise max of `vector` over all processes (one small collective)."""
+    from jax.experimental import multihost_utils
+
+    gathered = multihost_utils.process_allgather(np.asarray(vector, np.int32))
+    return [int(x) for x in np.asarray(gathered).reshape(-1, len(vector)).max(axis=0)]

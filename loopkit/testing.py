@@ -28,20 +28,23 @@ class HookCall:
 
 
 class HookRecorder:
-    """A plugin that records every hook call it sees, in order.
+    """A plugin that records every hook call of its session, in order.
 
-    Pass it in `plugins=[...]`. Provider hooks return None, so it never changes
-    what a run does; it does implement `before_step`/`after_step`, so keep it
-    out of benchmarks.
+    Pass it in `plugins=[...]`. It turns on pluggy's hook-call monitoring for
+    the session's plugin manager, so it sees every hook, including any added
+    later, with the arguments it was called with. (`on_stop` is called one
+    implementation at a time, so that all run even when one raises: the
+    recorder sees it through its own `on_stop`.) It implements
+    `before_step`/`after_step`, so that they are emitted: keep it out of benchmarks.
     """
 
     def __init__(self) -> None:
         self.calls_: list[HookCall] = []
         self._lock = threading.Lock()
 
-    def _record(self, name: str, **kwargs: Any) -> None:
+    def _record(self, name: str, kwargs: dict[str, Any]) -> None:
         with self._lock:
-            self.calls_.append(HookCall(name, kwargs))
+            self.calls_.append(HookCall(name, dict(kwargs)))
 
     def names(self) -> list[str]:
         """The names of the hooks called, in call order."""
@@ -58,32 +61,29 @@ class HookRecorder:
         return found[0]
 
     @hookimpl
-    def restore_state(self, session: Any, like: Any) -> None:
-        self._record("restore_state", session=session, like=like)
+    def plugin_registered(self, plugin: Any, manager: Any) -> None:
+        if plugin is not self:
+            return
+
+        def before(hook_name: str, impls: Any, kwargs: dict[str, Any]) -> None:
+            if hook_name != "plugin_registered":
+                session = kwargs.get("session")
+                extra = {"step": session.step} if session is not None and "step" not in kwargs else {}
+                self._record(hook_name, {**kwargs, **extra})
+
+        manager.add_hookcall_monitoring(before, lambda outcome, name, impls, kwargs: None)
 
     @hookimpl
-    def init_state(self, session: Any, state: Any) -> None:
-        self._record("init_state", session=session, state=state)
+    def before_step(self) -> None:
+        pass
 
     @hookimpl
-    def local_init(self, session: Any) -> None:
-        self._record("local_init", session=session, step=session.step)
-
-    @hookimpl
-    def session_create(self, session: Any) -> None:
-        self._record("session_create", session=session, step=session.step)
-
-    @hookimpl
-    def before_step(self, session: Any, step: int) -> None:
-        self._record("before_step", step=step)
-
-    @hookimpl
-    def after_step(self, session: Any, step: int, metrics: Any) -> None:
-        self._record("after_step", step=step, metrics=metrics)
+    def after_step(self) -> None:
+        pass
 
     @hookimpl
     def on_stop(self, session: Any, error: BaseException | None) -> None:
-        self._record("on_stop", session=session, step=session.step, error=error)
+        self._record("on_stop", {"session": session, "step": session.step, "error": error})
 
 
 class FakeClock:

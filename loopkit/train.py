@@ -48,7 +48,7 @@ def train(step_fn: Callable[..., Any], *, init: Any, data: Any = None,
 
 
 def _loop(session: Session) -> None:
-    coord = session._coord
+    coord = session.coord
     run = session.run
     if session.input is None:
         while not coord.stopped:

@@ -256,7 +256,7 @@ class CheckpointPlugin:
 
     # -- saving ------------------------------------------------------------------------
 
-    @hookimpl
+    @hookimpl(tryfirst=True)  # built-in services start before other plugins'
     def session_create(self, session: Any) -> None:
         self._open(session)
         secs = self.config.save_model_secs or None
@@ -402,7 +402,7 @@ class CheckpointPlugin:
             else:
                 self.backend.wait()  # the caller's instance: theirs to close
         failed = self._commit_error
-        if failed is not None and failed is not error and failed is not session._coord.exception:
+        if failed is not None and failed is not error and failed is not session.coord.exception:
             raise failed
 
 

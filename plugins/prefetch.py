@@ -73,7 +73,7 @@ class PrefetchPlugin:
         self.config = config
         self.feed: _Feed | None = None
 
-    @hookimpl
+    @hookimpl(tryfirst=True)  # built-in services start before other plugins'
     def session_create(self, session: Any) -> None:
         inp = session.input
         if inp is None:  # the Supervisor idiom: the user feeds run(batch)
@@ -129,7 +129,7 @@ class _Feed:
 
     def __init__(self, session: Any, cfg: Config) -> None:
         inp = session.input
-        self.session, self.coord = session, session._coord
+        self.session, self.coord = session, session.coord
         self.source, self.start_step = inp.source, inp.start_step
         self.stateful = inp.kind == "stateful"
         self.transform, self.sharding = cfg.data_transform, cfg.data_sharding

@@ -37,7 +37,7 @@ class ProfilerPlugin:
         self.stopped_at: int | None = None
         self._timer: Any = None
 
-    @hookimpl
+    @hookimpl(tryfirst=True)  # built-in services start before other plugins'
     def session_create(self, session: Session) -> None:
         step = session.step
         if step >= self.last:

@@ -63,7 +63,7 @@ class ProgressPlugin:
         self._start_step = self._last_step = 0
         self._start_time = self._last_time = self._metrics_time = 0.0
 
-    @hookimpl
+    @hookimpl(tryfirst=True)  # built-in services start before other plugins'
     def session_create(self, session: Session) -> None:
         if not session.is_chief:
             return

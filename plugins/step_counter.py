@@ -36,7 +36,7 @@ class StepCounterPlugin:
         self._time = 0.0
         self._counted_step: int | None = None
 
-    @hookimpl
+    @hookimpl(tryfirst=True)  # built-in services start before other plugins'
     def session_create(self, session: Session) -> None:
         self._step, self._time = session.step, session.clock()
         self._counted_step = session.step

@@ -83,7 +83,7 @@ class SummariesPlugin:
         self._last_time = 0.0
         self._last_busy = 0.0
 
-    @hookimpl
+    @hookimpl(tryfirst=True)  # built-in services start before other plugins'
     def session_create(self, session: Session) -> None:
         if not session.is_chief:
             return  # every process runs the same program; only the chief writes

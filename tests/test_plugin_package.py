@@ -72,7 +72,7 @@ def test_without_the_variable_the_time_limit_costs_nothing(site):
         class Timers:
             @loopkit.hookimpl(trylast=True)
             def session_create(self, session):
-                print("TIMERS", sorted(t.name for t in session._sched.timers))
+                print("TIMERS", sorted(t.name for t in session.timers))
 
         r = loopkit.train(lambda s: (s + 1, {}), init=jnp.zeros(()), max_steps=5,
                           progress=False, checkpoint_backend=None, plugins=[Timers()])

@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
@@ -19,8 +18,9 @@ SCRIPT = textwrap.dedent(
 
     class Report:
         @loopkit.hookimpl
-        def session_create(self, session):
-            print("READY", flush=True)
+        def after_step(self, step):
+            if step == 1:  # a step has run: the stop comes after a real step
+                print("READY", flush=True)
 
         @loopkit.hookimpl
         def on_stop(self, session, error):
@@ -48,7 +48,6 @@ def _start(tmp_path):
                             stderr=subprocess.PIPE, text=True, env=env)
     line = proc.stdout.readline()
     assert line.strip() == "READY", line + proc.stderr.read()
-    time.sleep(0.2)
     return proc
 
 
@@ -76,9 +75,16 @@ def test_second_sigint_aborts(tmp_path):
                             stderr=subprocess.PIPE, text=True, env=env)
     assert proc.stdout.readline().strip() == "READY"
     proc.send_signal(signal.SIGINT)
-    time.sleep(0.1)
+    # the second Ctrl-C only once the first was handled: two signals delivered before
+    # the handler runs would coalesce into one
+    seen = []
+    while not any("got SIGINT" in line for line in seen):
+        line = proc.stderr.readline()
+        assert line, "".join(seen)
+        seen.append(line)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
+    err = "".join(seen) + err
     assert proc.returncode != 0
     assert "KeyboardInterrupt" in err
     assert "ON_STOP" in out and "KeyboardInterrupt" in out  # on_stop saw the abort

@@ -178,7 +178,10 @@ def test_jit_false_runs_python_and_prejitted_is_used_as_is():
     assert len(traced) == 3  # called eagerly every step
     jitted = jax.jit(count_step)
     r = loopkit.train(jitted, init=jnp.zeros(()), max_steps=3, **FAST)
-    assert r.step == 3
+    assert r.step == 3 and int(r.state) == 3
+    # called directly with concrete arrays (its own dispatch cache holds the one
+    # compilation); wrapped in another jit it would only be traced, leaving it empty
+    assert jitted._cache_size() >= 1
 
 
 def test_exception_in_step_is_reraised_with_a_note_and_on_stop_sees_it():
@@ -351,27 +354,36 @@ def test_disable_unknown_plugin_name_is_an_error():
         loopkit.train(count_step, init=jnp.zeros(()), max_steps=1, disable=("sumaries",), **FAST)
 
 
-def test_builtins_start_first_and_stop_last():
-    order = []
+def test_builtins_start_first_and_stop_last(tmp_path):
+    seen = []
 
     class User:
-        @loopkit.hookimpl(tryfirst=True)
-        def session_create(self):
-            order.append("user-start")
+        @loopkit.hookimpl
+        def session_create(self, session):
+            # the built-in services already started: the writer and the first
+            # checkpoint timer are there
+            seen.append(("start", session.summary_writer is not None,
+                         [t.name for t in session.timers]))
 
         @loopkit.hookimpl(trylast=True)
-        def on_stop(self):
-            order.append("user-stop")
-
-    class Spy:
-        """Registered as a built-in would see it: check via the init plugin's effect."""
+        def on_stop(self, session):
+            # the built-ins stop after every other plugin: the writer is still open
+            # and the final checkpoint is not written yet
+            seen.append(("stop", session.summary_writer is not None,
+                         sorted(p.name for p in tmp_path.glob("model.ckpt-*"))))
 
     def local_init_fn(session):
-        order.append("init-local")
+        seen.append(("local_init", session.summary_writer is not None, []))
 
     loopkit.train(count_step, init=jnp.zeros(()), max_steps=1, local_init_fn=local_init_fn,
-                  plugins=[User()], **FAST)
-    assert order == ["init-local", "user-start", "user-stop"]
+                  logdir=tmp_path, checkpoint_backend="npz", progress=False,
+                  save_model_secs=600, save_summaries_secs=120, plugins=[User()])
+    assert seen == [
+        ("local_init", False, []),
+        ("start", True, ["summaries", "checkpoint", "step_counter"]),
+        ("stop", True, []),
+    ]
+    assert sorted(p.name for p in tmp_path.glob("model.ckpt-*")) == ["model.ckpt-1.npz"]
 
 
 def test_argument_plugins_with_the_same_class_get_distinct_names():
@@ -396,23 +408,38 @@ def test_unsupported_data_is_a_clear_error():
         loopkit.train(add_step, init=jnp.zeros(()), data=42, **FAST)
 
 
-def test_on_stop_wrapper_runs_around_every_other_on_stop():
+def test_a_wrapper_on_on_stop_is_refused_at_registration_naming_the_plugin():
+    class Wrap:
+        @loopkit.hookimpl(wrapper=True)
+        def on_stop(self, error):
+            yield
+
+    with pytest.raises(loopkit.PluginError, match="plugin 'Wrap': on_stop may not be a hook wrapper"):
+        loopkit.train(count_step, init=jnp.zeros(()), max_steps=1, plugins=[Wrap()], **FAST)
+
+    class OldStyle:
+        @loopkit.hookimpl(hookwrapper=True)
+        def on_stop(self):
+            yield
+
+    with pytest.raises(loopkit.PluginError, match="'OldStyle'"):
+        loopkit.train(count_step, init=jnp.zeros(()), max_steps=1, plugins=[OldStyle()], **FAST)
+
+
+def test_wrappers_on_other_hooks_run_around_the_built_ins(tmp_path):
     order = []
 
     class Wrap:
         @loopkit.hookimpl(wrapper=True)
-        def on_stop(self, error):
-            order.append("wrap-before")
+        def session_create(self, session):
+            order.append(("before", session.summary_writer is None))
             yield
-            order.append("wrap-after")
+            order.append(("after", session.summary_writer is None))
 
-    class Plain:
-        @loopkit.hookimpl
-        def on_stop(self):
-            order.append("plain")
-
-    loopkit.train(count_step, init=jnp.zeros(()), max_steps=1, plugins=[Plain(), Wrap()], **FAST)
-    assert order == ["wrap-before", "plain", "wrap-after"]
+    loopkit.train(count_step, init=jnp.zeros(()), max_steps=1, plugins=[Wrap()],
+                  logdir=tmp_path, **FAST)
+    # the wrapper surrounds the built-ins: the summaries plugin set the writer inside
+    assert order == [("before", True), ("after", False)]
 
 
 def test_restore_sees_concrete_shardings_for_a_sharded_callable_init():
@@ -508,21 +535,6 @@ def test_on_stop_failure_after_a_failed_run_names_the_plugin():
         loopkit.train(step, init=jnp.zeros(()), jit=False, plugins=[A()], **FAST)
     assert "while stopping, also: on_stop of plugin 'A' raised RuntimeError: cleanup" in \
         info.value.__notes__
-
-
-def test_old_style_hookwrapper_on_stop():
-    order = []
-
-    class Old:
-        @loopkit.hookimpl(hookwrapper=True)
-        def on_stop(self):
-            order.append("before")
-            outcome = yield
-            outcome.get_result()
-            order.append("after")
-
-    loopkit.train(count_step, init=jnp.zeros(()), max_steps=1, plugins=[Old()], **FAST)
-    assert order == ["before", "after"]
 
 
 def test_an_init_that_cannot_be_traced_is_called_once_for_real(tmp_path):

@@ -1,0 +1,57 @@
+"""The compiled step: jitted (or the user's own jitted function), with donation variants."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+import jax
+
+if TYPE_CHECKING:
+    from loopkit.config import Config
+
+__all__ = ["CompiledStep", "is_jitted"]
+
+
+def is_jitted(fn: Any) -> bool:
+    """True for a function JAX has already jitted (`jax.jit` and wrappers built on it)."""
+    return callable(getattr(fn, "lower", None)) and callable(getattr(fn, "eval_shape", None))
+
+
+def _copy(x: Any) -> Any:
+    return x.copy() if isinstance(x, jax.Array) else x
+
+
+class CompiledStep:
+    """`step_fn` as the loop calls it: a donating variant and a non-donating one.
+
+    `call` is what `Session.run` calls; `skip_donation_once()` makes the next call
+    use the non-donating variant, then goes back to the donating one.
+    """
+
+    def __init__(self, fn: Callable[..., Any], config: Config) -> None:
+        if is_jitted(fn):
+            # Already jitted, maybe with donate_argnums=0 that we cannot undo: the
+            # "plain" variant feeds it a copy, so the buffers a saver (or the
+            # caller's init) still holds are never donated.
+            def plain(state: Any, *batch: Any) -> Any:
+                return fn(jax.tree.map(_copy, state), *batch)
+
+            donating = fn
+        elif not config.jit:
+            donating = plain = fn
+        else:
+            plain = jax.jit(fn)
+            donating = jax.jit(fn, donate_argnums=0) if config.donate else plain
+        self.donating, self.plain = donating, plain
+        self.call: Callable[..., Any] = donating
+
+    def skip_donation_once(self) -> None:
+        if self.plain is self.donating:
+            return
+        donating, plain = self.donating, self.plain
+
+        def once(*args: Any) -> Any:
+            self.call = donating
+            return plain(*args)
+
+        self.call = once
