@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Protocol, runtime_checkable
+import os
+from typing import Any, Protocol, Sequence, runtime_checkable
 
 __all__ = ["CheckpointBackend", "Restored"]
 
@@ -14,7 +15,9 @@ PyTree = Any
 class CheckpointBackend(Protocol):
     """Stores states by step in one directory. Built-ins: ``"orbax"``, ``"npz"``.
 
-    A plugin adds one through the `checkpoint_backend` hook. ``save`` may return
+    A plugin adds one through the `checkpoint_backend` hook (and names it in
+    `checkpoint_backend_names`, so the checkpoint helpers find what it wrote;
+    they reach checkpoints only through these methods). ``save`` may return
     before the data is durable (asynchronous); it must be atomic: a save that did
     not complete is never listed by ``steps``.
     """
@@ -41,6 +44,18 @@ class CheckpointBackend(Protocol):
 
     def close(self) -> None:
         """Wait, then release resources."""
+
+    def path(self, step: int) -> str | os.PathLike[str]:
+        """Where ``step`` is stored (listed by ``loopkit checkpoints``: its size and age)."""
+
+    def structure(self, step: int) -> dict[str, Any]:
+        """Leaf path (keys joined by ``/``) -> `jax.ShapeDtypeStruct`, without reading array data.
+
+        `from_pretrained` chooses leaves with it.
+        """
+
+    def restore_leaves(self, step: int, paths: Sequence[str]) -> dict[str, Any]:
+        """The leaves at ``paths`` (as `structure` names them), on the host; only they are read."""
 
 
 @dataclasses.dataclass

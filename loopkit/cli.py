@@ -26,7 +26,11 @@ def _plugins(args: argparse.Namespace) -> int:
 def _checkpoints(args: argparse.Namespace) -> int:
     from loopkit.plugins.checkpoint import describe_checkpoints
 
-    lines = describe_checkpoints(args.logdir)
+    try:
+        lines = describe_checkpoints(args.logdir)
+    except FileNotFoundError as e:
+        print(f"loopkit checkpoints: {e}", file=sys.stderr)
+        return 1
     if not lines:
         print(f"no checkpoints in {args.logdir}", file=sys.stderr)
         return 1

@@ -108,6 +108,18 @@ def checkpoint_backend(name: str, directory: Path, config: Config) -> Checkpoint
     """
 
 
+@hookspec
+def checkpoint_backend_names() -> list[str]:
+    """The backend names this plugin's `checkpoint_backend` implementation provides.
+
+    Called by the helpers that read checkpoints outside a run (`load_checkpoint`,
+    `latest_checkpoint`, `checkpoints_iterator`, `from_pretrained`, ``loopkit
+    checkpoints``): they build each named backend for a directory and ask it which
+    steps it holds, so checkpoints a plugin's backend wrote are found and read by
+    that backend.
+    """
+
+
 @hookspec(firstresult=True)
 def restore_state(session: Session, like: PyTree) -> Restored | None:
     """Recover the training state from the latest checkpoint, if there is one.

@@ -86,6 +86,10 @@ class CheckpointPlugin:
     # -- the backend -------------------------------------------------------------------
 
     @hookimpl(trylast=True)
+    def checkpoint_backend_names(self) -> list[str]:
+        return list(BUILTIN_BACKENDS)
+
+    @hookimpl(trylast=True)
     def checkpoint_backend(self, name: str, directory: Path, config: Config) -> Any:
         basename = config.checkpoint_basename
         if name == "orbax":

@@ -13,14 +13,8 @@ from typing import Any, Iterator
 
 import jax
 
-from loopkit.plugins.checkpoint_state import (
-    DEFAULT_BASENAME,
-    NPZ_EXT,
-    on_disk,
-    read_state,
-    recovery_order,
-    split_name,
-)
+from loopkit.plugins.checkpoint_locate import backends, basename_of, locate, recoverable
+from loopkit.plugins.checkpoint_state import read_state
 from loopkit.pytree import check_matches, conform
 
 __all__ = [
@@ -61,92 +55,49 @@ def place_like(like: PyTree) -> PyTree:
     return jax.tree.map(one, like)
 
 
-def _basename(logdir: Path, basename: str | None) -> str:
-    if basename is not None:
-        return basename
-    state = read_state(logdir)
-    return state.basename if state is not None else DEFAULT_BASENAME
-
-
-def _recoverable(logdir: Path, basename: str | None) -> tuple[str, dict[int, Path], int | None]:
-    """(basename, checkpoints on disk, the step a restart would try first)."""
-    base = _basename(logdir, basename)
-    found = on_disk(logdir, base)
-    state = read_state(logdir, base)
-    first = next((s for s in recovery_order(state, set(found)) if s in found), None)
-    return base, found, first
-
-
 def latest_checkpoint(logdir: str | os.PathLike[str], *,
                       basename: str | None = None) -> tuple[int, str] | None:
     """``(step, path)`` of the checkpoint a restart would recover, or None.
 
     Honours ``logdir/checkpoint`` (a hand edit picks the checkpoint); without
-    it, the newest checkpoint on disk. The path is absolute and has no backend
-    extension: `load_checkpoint` accepts it. (It does not read the data: a
-    corrupt checkpoint is found out only when loaded.)
+    it, the newest checkpoint on disk. The checkpoints are the steps the
+    backends list (the built-ins' and those plugins name). The path is absolute
+    and has no backend extension: `load_checkpoint` accepts it. (It does not
+    read the data: a corrupt checkpoint is found out only when loaded.)
     """
     logdir = Path(logdir).absolute()
-    base, _, step = _recoverable(logdir, basename)
+    base = basename_of(logdir, basename)
+    with backends(logdir, base) as group:
+        return _latest(logdir, base, group)
+
+
+def _latest(logdir: Path, base: str, group: Any) -> tuple[int, str] | None:
+    step = recoverable(logdir, group.steps(), base)
     return None if step is None else (step, str(logdir / f"{base}-{step}"))
-
-
-def locate_checkpoint(target: Path) -> tuple[Path, str, int]:
-    """(directory, basename, step) of a checkpoint path or of a logdir's latest."""
-    name = target.name[: -len(NPZ_EXT)] if target.name.endswith(NPZ_EXT) else target.name
-    parts = split_name(name)
-    if parts is not None:
-        ckpt = target.with_name(name)
-        is_npz = ckpt.with_name(name + NPZ_EXT).is_file()
-        if is_npz or (ckpt.is_dir() and latest_checkpoint(ckpt) is None):
-            return ckpt.parent, parts[0], parts[1]
-    found = latest_checkpoint(target)
-    if found is None:
-        raise FileNotFoundError(
-            f"no checkpoint at {target}: expected a logdir holding checkpoints, or a "
-            "checkpoint path such as runs/a/model.ckpt-1000"
-        )
-    return target, _basename(target, None), found[0]
-
-
-def backend_for(directory: Path, basename: str, step: int) -> Any:
-    """The backend that wrote the checkpoint: ``<name>.npz`` is npz, ``<name>/`` orbax."""
-    name = f"{basename}-{step}"
-    if (directory / f"{name}{NPZ_EXT}").is_file():
-        from loopkit.plugins.npz_backend import NpzBackend
-
-        return NpzBackend(directory, basename)
-    if (directory / name).is_dir():
-        from loopkit.plugins.orbax_backend import OrbaxBackend
-
-        return OrbaxBackend(directory, basename)
-    raise ValueError(
-        f"checkpoint {directory / name} was not written by a built-in backend (npz writes "
-        f"{name}.npz, orbax {name}/): read it with the backend that wrote it, "
-        "backend.restore(step, like)"
-    )
 
 
 def load_checkpoint(logdir_or_path: str | os.PathLike[str], like: PyTree = None) -> PyTree:
     """Load a checkpoint's state, for evaluation scripts.
 
     `logdir_or_path` is a logdir (its latest checkpoint, as a restart would
-    pick) or a checkpoint path such as ``runs/a/model.ckpt-1000``. With `like`
-    (a pytree of arrays or `jax.ShapeDtypeStruct`), the state comes back in its
-    structure and placement and must match its shapes and dtypes (a
-    `ValueError` names the leaves that differ); without, as nested dicts keyed
-    by the path components (``state["params"]["w"]``, sequence indices as
-    ``"0"``, ``"1"``...).
+    pick), a checkpoint path such as ``runs/a/model.ckpt-1000``, or what another
+    library wrote: an orbax PyTree checkpoint under any name, an orbax
+    `CheckpointManager` directory (its latest step) or ``<dir>/<step>/<item>``,
+    a ``*.safetensors`` file (or a directory of them). With `like` (a pytree of
+    arrays or `jax.ShapeDtypeStruct`), the state comes back in its structure and
+    placement and must match its shapes and dtypes (a `ValueError` names the
+    leaves that differ); without, as nested dicts keyed by the path components
+    (``state["params"]["w"]``, sequence indices as ``"0"``, ``"1"``...). A path
+    holding none of these raises `FileNotFoundError` saying what is there.
     """
-    directory, basename, step = locate_checkpoint(Path(logdir_or_path).absolute())
-    backend = backend_for(directory, basename, step)
+    found = locate(Path(logdir_or_path).absolute())
     try:
-        state, _ = backend.restore(step, place_like(like))
+        state, _ = found.backend.restore(found.step, place_like(like))
     finally:
-        backend.close()
+        found.backend.close()
     if like is not None:
         state = conform(state, like)
-        check_matches(state, like, f"checkpoint {directory / f'{basename}-{step}'}")
+        check_matches(state, like, f"checkpoint {found.where}")
     return state
 
 
@@ -160,11 +111,19 @@ def checkpoints_iterator(logdir: str | os.PathLike[str], min_interval_secs: floa
     seconds without a new checkpoint (None: never). A checkpoint that is
     replaced by a newer one before a poll sees it is skipped.
     """
+    logdir = Path(logdir).absolute()
+    base = basename_of(logdir, None)
+    with backends(logdir, base) as group:
+        yield from _follow(logdir, base, group, min_interval_secs, timeout, poll_secs)
+
+
+def _follow(logdir: Path, base: str, group: Any, min_interval_secs: float,
+            timeout: float | None, poll_secs: float) -> Iterator[tuple[int, str]]:
     last: tuple[int, str] | None = None
     while True:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            found = latest_checkpoint(logdir)
+            found = _latest(logdir, base, group)
             if found is not None and found != last:
                 break
             if deadline is not None and time.monotonic() + poll_secs > deadline:
@@ -219,23 +178,29 @@ def describe_checkpoints(logdir: str | os.PathLike[str], *,
     left behind by a restart from an older checkpoint) is marked ``(unlisted)``.
     """
     logdir = Path(logdir).absolute()
-    base, found, first = _recoverable(logdir, basename)
+    if not logdir.is_dir():
+        raise FileNotFoundError(f"{logdir} does not exist" if not logdir.exists()
+                                else f"{logdir} is not a directory")
+    base = basename_of(logdir, basename)
     state = read_state(logdir, base)
-    listed = {s for s, _ in state.listed} if state is not None else set(found)
     now = time.time()
     rows = []
-    for step in sorted(found):
-        path = found[step]
-        try:
-            size, age = _size(path), now - path.stat().st_mtime
-        except FileNotFoundError:  # deleted by retention while we look
-            continue
-        marks = []
-        if step == first:
-            marks.append("<- latest (a restart recovers this one)")
-        elif step not in listed:
-            marks.append("(unlisted)")
-        rows.append((path.name, f"step {step}", _human_size(size), _human_age(age), marks))
+    with backends(logdir, base) as group:
+        found = group.steps()
+        first = recoverable(logdir, found, base)
+        listed = {s for s, _ in state.listed} if state is not None else set(found)
+        for step in sorted(found):
+            path = Path(found[step].path(step))
+            try:
+                size, age = _size(path), now - path.stat().st_mtime
+            except FileNotFoundError:  # deleted by retention while we look
+                continue
+            marks = []
+            if step == first:
+                marks.append("<- latest (a restart recovers this one)")
+            elif step not in listed:
+                marks.append("(unlisted)")
+            rows.append((path.name, f"step {step}", _human_size(size), _human_age(age), marks))
     if not rows:
         return []
     w0 = max(len(r[0]) for r in rows)

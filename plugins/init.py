@@ -51,10 +51,10 @@ def plugin(config: Config) -> InitPlugin:
 
 def _resolve(logdir_or_path: str | os.PathLike[str]) -> tuple[Any, int, str]:
     """(backend, step, path) for a logdir (its latest checkpoint) or a checkpoint path."""
-    from loopkit.plugins.checkpoint_helpers import backend_for, locate_checkpoint
+    from loopkit.plugins.checkpoint_locate import locate
 
-    directory, basename, step = locate_checkpoint(Path(logdir_or_path).absolute())
-    return backend_for(directory, basename, step), step, str(directory / f"{basename}-{step}")
+    found = locate(Path(logdir_or_path).absolute())
+    return found.backend, found.step, found.where
 
 
 def _renamed(path: str, rename: Mapping[str, str]) -> str:

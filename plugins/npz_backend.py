@@ -72,19 +72,22 @@ class NpzBackend:
 
     #: how members are stored in the zip (a subclass may choose `zipfile.ZIP_DEFLATED`)
     compression = zipfile.ZIP_STORED
+    #: the file name's extension (a subclass writing another format picks its own)
+    extension = ".npz"
 
     def __init__(self, directory: str | os.PathLike[str], basename: str = "model.ckpt",
                  config: Config | None = None) -> None:
         self.directory = Path(directory)
         self.basename = basename
         self.config = config
-        self._name = re.compile(re.escape(basename) + r"-(0|[1-9][0-9]*)\.npz")
-        self._tmp = re.compile(r"\." + re.escape(basename) + r"-[0-9]+\.npz\.tmp-.+")
+        ext = re.escape(self.extension)
+        self._name = re.compile(re.escape(basename) + r"-(0|[1-9][0-9]*)" + ext)
+        self._tmp = re.compile(r"\." + re.escape(basename) + r"-[0-9]+" + ext + r"\.tmp-.+")
         remove_stale(self.directory, self._tmp)
 
     def path(self, step: int) -> Path:
         """The file of ``step``: ``<directory>/<basename>-<step>.npz``."""
-        return self.directory / f"{self.basename}-{int(step)}.npz"
+        return self.directory / f"{self.basename}-{int(step)}{self.extension}"
 
     # -- writing --
 

@@ -1,12 +1,18 @@
 """The `orbax` checkpoint backend: asynchronous, multi-process, atomic and durable.
 
-A checkpoint is the directory ``<directory>/<basename>-<step>/``, an ordinary
-orbax PyTree checkpoint (OCDBT, zarr3, uncompressed) of the state's arrays as
-nested dicts keyed by the path components. Its ``custom_metadata`` holds JSON:
-the caller's metadata and one record per leaf (path, kind, dtype, shape), the
-same records as the `npz` backend's, so Python scalars, strings, None leaves and
-empty arrays (which orbax cannot store) are kept inline, and `structure` reads
-no array data.
+A checkpoint is the directory ``<directory>/<basename>-<step>/``, a standard
+orbax PyTree checkpoint (OCDBT, zarr3, uncompressed) of the state in its own
+structure, as ``StandardCheckpointer().save(path, state)`` writes it: lists stay
+lists, tuples and NamedTuples restore into a target, Python scalars are stored as
+0-d arrays too; strings and empty arrays (which orbax cannot store) are None
+there. So ``StandardCheckpointer().restore(path, jax.eval_shape(init))`` restores
+it. Beside the tree, in the step metadata's ``custom_metadata`` (which orbax's
+readers ignore), loopkit keeps JSON: the step, the caller's metadata, one record
+per leaf (path, kind, dtype, shape; the same records as the `npz` backend's,
+values of Python scalars and strings inline), and which stored nodes are
+sequences, so `structure` reads no array data. Reading is
+`loopkit.plugins.orbax_reader`, which also reads the earlier layout (nested
+dicts keyed by the path components) and plain orbax saves.
 
 Committing. orbax writes under ``<name>.orbax-checkpoint-tmp`` (never listed)
 and publishes by a rename, but does not fsync its metadata files (tensorstore
@@ -58,8 +64,10 @@ from loopkit.errors import CheckpointError
 from loopkit.fs import fsync_dir, fsync_tree
 from loopkit.pytree import conform
 from loopkit.plugins.leaf_records import (
-    check_records, host_value, leaf_records, like_leaves, nest, placement,
-    put, record_struct, remove_stale, saving_lock,
+    leaf_records, like_leaves, nest, record_struct, remove_stale, saving_lock,
+)
+from loopkit.plugins.orbax_reader import (
+    HEAD_KEY as _KEY, VERSION as _VERSION, Head, read_arrays, read_head, sequence_nodes,
 )
 
 if TYPE_CHECKING:
@@ -67,8 +75,6 @@ if TYPE_CHECKING:
 
 __all__ = ["OrbaxBackend"]
 
-_KEY = "loopkit"
-_VERSION = 1
 _TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's, see atomicity_types.TMP_DIR_SUFFIX
 
 
@@ -152,27 +158,41 @@ class OrbaxBackend:
         self.wait()  # at most one save in flight; surfaces the last one's error
         step = int(step)
         records, leaves = leaf_records(state)
-        arrays: list[tuple[list[str], Any]] = []
         names: dict[str, str] = {}
+        stored: list[Any] = []  # the state's leaves as orbax stores them, None where it stores none
         for rec, leaf in zip(records, leaves):
-            if leaf is None or 0 in rec["shape"]:
-                continue  # inline, or empty: orbax cannot store zero-size arrays
+            struct = record_struct(rec)
+            if struct is None or 0 in struct.shape:
+                stored.append(None)  # None, a string, or empty: kept in the records alone
+                continue
             path = rec["path"] or ["state"]
             name = ".".join(path)  # orbax names arrays by their keys joined with "."
             if name in names:
                 raise ValueError(f"checkpoint leaves {names[name]!r} and {'/'.join(path)!r} "
                                  f"would both be stored by orbax as {name!r}")
             names[name] = "/".join(path)
-            if not isinstance(leaf, jax.Array):
+            if rec["kind"] == "py":
+                # also stored as an array, so that orbax alone restores the whole state
+                try:
+                    with np.errstate(over="raise"):
+                        leaf = np.asarray(rec["value"], struct.dtype)
+                except (OverflowError, FloatingPointError):  # too big for jax's dtype too
+                    leaf = np.asarray(rec["value"])
+            elif not isinstance(leaf, jax.Array):
                 leaf = np.array(leaf)  # a copy: numpy arrays can change under the writer
             elif leaf.is_deleted():
                 raise ValueError(f"checkpoint leaf {names[name]!r} was deleted (donated?)")
-            arrays.append((path, leaf))
-        tree = nest([{"path": p} for p, _ in arrays], [a for _, a in arrays]) if arrays else {}
-        if not tree:
+            stored.append(leaf)
+        # The state's own structure, as `StandardCheckpointer().save(path, state)` writes it.
+        if len(records) == 1 and not records[0]["path"]:
+            tree = {"state": stored[0]}  # a single leaf: orbax needs a container
+        else:
+            treedef = jax.tree_util.tree_structure(state, is_leaf=lambda x: x is None)
+            tree = jax.tree_util.tree_unflatten(treedef, stored)
+        if not names:
             tree = {"__empty__": np.zeros((1,), np.uint8)}  # orbax needs one array
         custom = {_KEY: {"version": _VERSION, "step": step, "metadata": metadata,
-                         "leaves": records}}
+                         "leaves": records, "sequences": sequence_nodes(tree)}}
         try:
             json.dumps(custom)
         except (TypeError, ValueError) as e:
@@ -255,100 +275,34 @@ class OrbaxBackend:
 
     # -- reading --
 
-    def _records(self, step: int) -> tuple[list[dict], dict]:
-        """The leaf records and caller metadata of ``step``, from orbax's step metadata."""
+    def _head(self, step: int) -> Head:
+        """What ``step`` holds, without its array data (a plain orbax save is read too)."""
         path = self.path(step)
         if not path.is_dir():
             raise FileNotFoundError(f"no orbax checkpoint for step {step}: {path}")
-        try:
-            # orbax's step metadata file, read directly: `Checkpointer.metadata`
-            # also parses the whole tree's metadata (30 ms for 70 leaves).
-            from orbax.checkpoint._src.metadata import checkpoint as step_metadata
-
-            with open(step_metadata.step_metadata_file_path(path), "rb") as f:
-                head = json.load(f)["custom_metadata"][_KEY]
-            if head.get("version") != _VERSION:
-                raise ValueError(f"format version {head.get('version')!r}, "
-                                 f"this loopkit reads {_VERSION}")
-        except Exception as e:
-            raise CheckpointError(f"checkpoint {path} cannot be read: {e}") from e
-        return check_records(head.get("leaves"), str(path)), head.get("metadata") or {}
-
-    def _read(self, step: int, records: list[dict], like: dict[str, Any],
-              partial: bool = False) -> list[Any]:
-        """Read the arrays of ``records`` (None for inline ones), placed by ``like``."""
-        import orbax.checkpoint as ocp
-
-        stored, args, puts = [], [], {}
-        for rec in records:
-            struct = record_struct(rec)
-            if rec["kind"] in ("none", "py") or 0 in struct.shape:
-                continue
-            as_jax, sharding = placement(like.get("/".join(rec["path"])), struct.shape, struct.dtype)
-            name = "/".join(rec["path"] or ["state"])
-            if as_jax and sharding is not None and not sharding.is_fully_addressable:
-                # orbax reads only this process's shards
-                arg = ocp.ArrayRestoreArgs(sharding=sharding, global_shape=struct.shape)
-            else:
-                # This process needs every byte anyway: read to the host and place it
-                # here (orbax's jax path fills a zeroed host buffer, then copies it
-                # to the device; a few % slower, measured).
-                arg = ocp.RestoreArgs(restore_type=np.ndarray)
-                if as_jax:
-                    puts[name] = sharding
-            stored.append({"path": rec["path"] or ["state"]})
-            args.append(arg)
-        values: dict[str, Any] = {}
-        if stored:
-            path = self.path(step)
-            target = nest(stored, args)
-            try:
-                tree = self._reader.restore(path, args=ocp.args.PyTreeRestore(
-                    item=target if partial else None, restore_args=target,
-                    partial_restore=partial))
-            except Exception as e:
-                raise CheckpointError(f"checkpoint {path} cannot be read: {e}") from e
-            for rec in stored:
-                node = tree
-                for key in rec["path"]:
-                    node = node[key]
-                name = "/".join(rec["path"])
-                values[name] = put(node, puts[name]) if name in puts else node
-        out = []
-        for rec in records:
-            struct = record_struct(rec)
-            if rec["kind"] in ("none", "py"):
-                out.append(host_value(rec, None))
-            elif 0 in struct.shape:  # not in orbax: made here, placed like the others
-                empty = np.zeros(struct.shape, struct.dtype)
-                as_jax, sharding = placement(like.get("/".join(rec["path"])), struct.shape, struct.dtype)
-                out.append(put(empty, sharding) if as_jax else host_value(rec, empty))
-            else:
-                value = values["/".join(rec["path"] or ["state"])]
-                out.append(value[()] if rec["kind"] == "npscalar" else value)
-        return out
+        return read_head(path)
 
     def restore(self, step: int, like: Any = None) -> tuple[Any, dict]:
         """The state of ``step`` as stored (placed like ``like`` where shapes match), and its metadata."""
         if self._pending == step:
             self.wait()
-        records, metadata = self._records(step)
-        values = self._read(step, records, like_leaves(like))
-        state = nest(records, values)
-        return (state if like is None else conform(state, like)), metadata
+        head = self._head(step)
+        values = read_arrays(self._reader, self.path(step), head, head.records, like_leaves(like))
+        state = nest(head.records, values)
+        return (state if like is None else conform(state, like)), head.metadata
 
     def structure(self, step: int) -> dict[str, Any]:
         """Leaf path -> shape and dtype of every leaf of ``step``, without reading array data."""
-        records, _ = self._records(step)
-        return {"/".join(r["path"]): s for r in records if (s := record_struct(r)) is not None}
+        return {"/".join(r["path"]): s for r in self._head(step).records
+                if (s := record_struct(r)) is not None}
 
     def restore_leaves(self, step: int, paths: Sequence[str]) -> dict[str, Any]:
         """Read only the leaves at ``paths`` (orbax partial restore)."""
-        records, _ = self._records(step)
+        head = self._head(step)
         wanted = set(paths)
-        chosen = [r for r in records if "/".join(r["path"]) in wanted and r["kind"] != "none"]
+        chosen = [r for r in head.records if "/".join(r["path"]) in wanted and r["kind"] != "none"]
         missing = wanted - {"/".join(r["path"]) for r in chosen}
         if missing:
             raise KeyError(f"checkpoint {self.path(step)} has no leaves {sorted(missing)}")
-        values = self._read(step, chosen, {}, partial=True)
+        values = read_arrays(self._reader, self.path(step), head, chosen, {})
         return {"/".join(r["path"]): v for r, v in zip(chosen, values)}

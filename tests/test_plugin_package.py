@@ -53,16 +53,42 @@ def test_time_limit_and_compressed_backend_in_a_run(site, tmp_path):
         r = loopkit.train(step, init=jnp.zeros(1000), logdir={str(tmp_path)!r}, jit=False,
                           checkpoint_backend="npz-compressed", progress=False)
         print("RESULT", r.stop_reason, r.step)
-        state = loopkit.load_checkpoint({str(tmp_path)!r})
-        print("LOADED", float(np.asarray(state).ravel()[0]) == r.step)
     """, LOOPKIT_TIME_LIMIT_SECS="1")
     reason, step = p.stdout.split("RESULT")[1].split()[:2]
     assert reason == "requested" and int(step) > 0  # stopped by the time limit, cleanly
     assert "time limit of 1.0 s reached" in p.stderr
-    assert "LOADED True" in p.stdout
-    ckpt = tmp_path / f"model.ckpt-{step}.npz"
+    ckpt = tmp_path / f"model.ckpt-{step}.npzc"
     with zipfile.ZipFile(ckpt) as zf:
         assert {i.compress_type for i in zf.infolist()} == {zipfile.ZIP_DEFLATED}
+    assert not list(tmp_path.glob("*.npz"))  # its own files, which no built-in backend reads
+
+
+def test_every_helper_and_the_cli_read_the_plugin_backend(site, tmp_path):
+    p = run(site, f"""
+        import jax, jax.numpy as jnp, numpy as np, loopkit
+        from loopkit.cli import main
+        logdir = {str(tmp_path)!r}
+        init = {{"w": jnp.zeros(3), "b": jnp.zeros(2)}}
+        r = loopkit.train(lambda s: (jax.tree.map(lambda x: x + 1, s), {{}}), init=init,
+                          logdir=logdir, max_steps=4, save_model_steps=2, save_model_secs=None,
+                          checkpoint_backend="npz-compressed", progress=False)
+        step, path = loopkit.latest_checkpoint(logdir)
+        print("LATEST", step, path)
+        print("ITER", next(loopkit.checkpoints_iterator(logdir, timeout=0)))
+        print("LOAD", float(loopkit.load_checkpoint(logdir)["w"][0]),
+              float(loopkit.load_checkpoint(logdir + "/model.ckpt-2", like=init)["b"][1]))
+        fresh = loopkit.from_pretrained(logdir, include=["w"])({{"w": jnp.zeros(3), "b": -jnp.ones(2)}})
+        print("PRETRAINED", float(fresh["w"][2]), float(fresh["b"][0]))
+        main(["checkpoints", logdir])
+    """)
+    out = p.stdout
+    assert f"LATEST 4 {tmp_path}/model.ckpt-4" in out
+    assert f"ITER (4, '{tmp_path}/model.ckpt-4')" in out
+    assert "LOAD 4.0 2.0" in out
+    assert "PRETRAINED 4.0 -1.0" in out
+    rows = [ln for ln in out.splitlines() if ln.startswith("model.ckpt-")]
+    assert [r.split()[0] for r in rows] == ["model.ckpt-2.npzc", "model.ckpt-4.npzc"]
+    assert "<- latest" in rows[1]
 
 
 def test_without_the_variable_the_time_limit_costs_nothing(site):

@@ -165,8 +165,13 @@ def test_cli_lists_checkpoints_and_marks_the_one_a_restart_recovers(tmp_path):
     lines = cli(tmp_path / "orbax").stdout.splitlines()
     assert len(lines) == 1 and lines[0].startswith("model.ckpt-1 ") and "<- latest" in lines[0]
 
+    (tmp_path / "empty").mkdir()
     empty = cli(tmp_path / "empty")
-    assert empty.returncode == 1 and "no checkpoints" in empty.stderr
+    assert empty.returncode == 1 and "no checkpoints in" in empty.stderr
+
+    missing = cli(tmp_path / "missing")
+    assert missing.returncode == 1 and "missing does not exist" in missing.stderr
+    assert "no checkpoints" not in missing.stderr
 
 
 def test_the_checkpoint_file_round_trips_in_tf_format(tmp_path):

@@ -1,8 +1,9 @@
 """A checkpoint backend added by a plugin: `checkpoint_backend="npz-compressed"`.
 
-It reuses loopkit's npz format (atomic, durable, never unpickled) and only
-changes how the zip members are stored, so checkpoints stay readable by the
-built-in npz backend and by `loopkit.load_checkpoint`.
+It reuses loopkit's npz format (atomic, durable, never unpickled), stores the zip
+members deflate-compressed, and names its files ``<basename>-<step>.npzc``.
+Naming itself in `checkpoint_backend_names` lets `loopkit.load_checkpoint`, the
+other checkpoint helpers and ``loopkit checkpoints`` find and read them.
 """
 
 from __future__ import annotations
@@ -20,6 +21,12 @@ class CompressedNpzBackend(NpzBackend):
     """The npz backend with deflate-compressed members: smaller files, slower saves."""
 
     compression = zipfile.ZIP_DEFLATED
+    extension = ".npzc"
+
+
+@loopkit.hookimpl
+def checkpoint_backend_names() -> list[str]:
+    return [NAME]
 
 
 @loopkit.hookimpl

@@ -1,0 +1,181 @@
+"""Finding a checkpoint and the backend that reads it, for the helpers and the CLI.
+
+Everything goes through the backend protocol: a logdir's checkpoints are the steps
+its backends list (every backend named by a plugin's `checkpoint_backend_names`,
+built by the `checkpoint_backend` hook), and a checkpoint that is not in a logdir
+(an orbax save under any name, an orbax `CheckpointManager` directory, safetensors
+files) is read by a read-only backend over that path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from pathlib import Path
+from typing import Any, Iterator
+
+from loopkit.plugins.checkpoint_state import DEFAULT_BASENAME, read_state, recovery_order
+
+__all__ = ["Backends", "FORMATS", "Located", "locate"]
+
+FORMATS = (
+    "a logdir holding checkpoints (the one a restart recovers), or a checkpoint path "
+    "such as runs/a/model.ckpt-1000, written by any checkpoint backend ({backends}); "
+    "an orbax PyTree checkpoint directory under any name (StandardCheckpointer, "
+    "PyTreeCheckpointer); an orbax CheckpointManager directory (its latest step) or "
+    "<dir>/<step>/<item>; a *.safetensors file, or a directory of them"
+)
+
+
+class Backends:
+    """Every backend a plugin names, built for one directory and basename.
+
+    Plugins' backends come first (a plugin may override a built-in name); a step
+    belongs to the first backend that lists it.
+    """
+
+    def __init__(self, directory: Path, basename: str) -> None:
+        from loopkit.config import Config
+        from loopkit.manager import make_plugin_manager
+
+        config = Config(logdir=str(directory), checkpoint_basename=basename)
+        pm = make_plugin_manager(config)
+        self.names: list[str] = []
+        for names in pm.hook.checkpoint_backend_names():
+            self.names += [n for n in names if n not in self.names]
+        self.backends: list[tuple[str, Any]] = []
+        for name in self.names:
+            backend = pm.hook.checkpoint_backend(name=name, directory=directory, config=config)
+            if backend is not None:
+                self.backends.append((name, backend))
+
+    def steps(self) -> dict[int, Any]:
+        """Step -> the backend that holds it, over every backend."""
+        found: dict[int, Any] = {}
+        for _, backend in self.backends:
+            for step in backend.steps():
+                found.setdefault(int(step), backend)
+        return found
+
+    def close(self, keep: Any = None) -> None:
+        for _, backend in self.backends:
+            if backend is not keep:
+                backend.close()
+
+
+@contextlib.contextmanager
+def backends(directory: Path, basename: str) -> Iterator[Backends]:
+    found = Backends(directory, basename)
+    try:
+        yield found
+    finally:
+        found.close()
+
+
+def basename_of(logdir: Path, basename: str | None) -> str:
+    if basename is not None:
+        return basename
+    state = read_state(logdir)
+    return state.basename if state is not None else DEFAULT_BASENAME
+
+
+def recoverable(logdir: Path, found: dict[int, Any], basename: str) -> int | None:
+    """The step a restart would try first among ``found``."""
+    state = read_state(logdir, basename)
+    return next((s for s in recovery_order(state, set(found)) if s in found), None)
+
+
+class Located:
+    """A checkpoint found: its backend (to close after use), step and path."""
+
+    def __init__(self, backend: Any, step: int, where: str) -> None:
+        self.backend, self.step, self.where = backend, step, where
+
+
+def _in_logdir(directory: Path, basename: str, step: int | None) -> Located | None:
+    """The checkpoint ``step`` (None: the one a restart recovers) of a backend in ``directory``."""
+    group = Backends(directory, basename)
+    found = group.steps()
+    if step is None:
+        step = recoverable(directory, found, basename)
+    backend = found.get(step) if step is not None else None
+    group.close(keep=backend)
+    if backend is None:
+        return None
+    return Located(backend, step, str(directory / f"{basename}-{step}"))
+
+
+def _manager_item(step_dir: Path) -> Path | None:
+    """The one orbax PyTree item of a `CheckpointManager` step directory."""
+    from loopkit.plugins.orbax_reader import is_orbax_tree
+
+    if is_orbax_tree(step_dir):
+        return step_dir
+    items = sorted(p for p in step_dir.iterdir() if is_orbax_tree(p)) if step_dir.is_dir() else []
+    if len(items) > 1:
+        raise FileNotFoundError(
+            f"{step_dir} holds several orbax items ({', '.join(p.name for p in items)}): "
+            f"name one, e.g. {items[0]}")
+    return items[0] if items else None
+
+
+def _foreign(target: Path) -> Located | None:
+    """A read-only backend for what another library wrote at ``target``."""
+    from loopkit.plugins.orbax_reader import OrbaxCheckpoint
+
+    if target.is_file() and target.name.endswith(".safetensors"):
+        from loopkit.plugins.safetensors_reader import SafetensorsCheckpoint
+
+        return Located(SafetensorsCheckpoint([target]), 0, str(target))
+    if not target.is_dir():
+        return None
+    item = _manager_item(target)
+    if item is not None:  # a PyTree save, or <manager>/<step>
+        step = int(target.name) if target.name.isdigit() else (
+            int(target.parent.name) if target.parent.name.isdigit() else 0)
+        return Located(OrbaxCheckpoint(item, step), step, str(item))
+    steps = sorted(int(p.name) for p in target.iterdir() if p.name.isdigit() and p.is_dir())
+    for step in reversed(steps):  # a CheckpointManager directory: its latest step
+        item = _manager_item(target / str(step))
+        if item is not None:
+            return Located(OrbaxCheckpoint(item, step), step, str(item))
+    files = sorted(target.glob("*.safetensors"))
+    if files:
+        from loopkit.plugins.safetensors_reader import SafetensorsCheckpoint
+
+        return Located(SafetensorsCheckpoint(files, target), 0, str(target))
+    return None
+
+
+def _what_is(target: Path) -> str:
+    if not target.exists():
+        return "nothing exists there"
+    if target.is_file():
+        return f"a file of {target.stat().st_size} bytes in no format loopkit reads"
+    names = sorted(os.listdir(target))
+    if not names:
+        return "an empty directory"
+    shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+    return f"a directory holding {shown}, none of them a checkpoint loopkit reads"
+
+
+def locate(target: Path) -> Located:
+    """The checkpoint at ``target`` (a checkpoint path, a logdir, or another library's files)."""
+    m = re.fullmatch(r"(.+)-(0|[1-9][0-9]*)(\.[A-Za-z0-9]+)?", target.name)
+    if m is not None and not target.name.endswith(".safetensors"):
+        found = _in_logdir(target.parent, m.group(1), int(m.group(2)))
+        if found is not None:
+            return found
+    if target.is_dir():
+        found = _in_logdir(target, basename_of(target, None), None)
+        if found is not None:
+            return found
+    found = _foreign(target)
+    if found is not None:
+        return found
+    names = Backends(target.parent, DEFAULT_BASENAME)
+    names.close()
+    raise FileNotFoundError(
+        f"no checkpoint at {target}: found {_what_is(target)}. loopkit reads "
+        + FORMATS.format(backends=", ".join(names.names)))

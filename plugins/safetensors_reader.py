@@ -1,0 +1,137 @@
+"""Reading safetensors files (``*.safetensors``, as published models ship) as a checkpoint.
+
+Read-only, through the backend protocol, for `load_checkpoint` and `from_pretrained`.
+A tensor's flat name becomes a leaf path: its ``.`` or ``/`` separators become path
+components (``encoder.layer.0.weight`` is ``encoder/layer/0/weight``). Dtypes are
+kept as stored (bfloat16 stays bfloat16). Needs the optional extra
+``jax-loopkit[safetensors]``; the package is imported only when a file is read.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+
+from loopkit.errors import CheckpointError
+from loopkit.plugins.leaf_records import dtype_from_name, like_leaves, nest, placement, put
+
+__all__ = ["SafetensorsCheckpoint"]
+
+#: safetensors' dtype names -> numpy / ml_dtypes names
+_DTYPES = {
+    "BOOL": "bool", "U8": "uint8", "I8": "int8", "U16": "uint16", "I16": "int16",
+    "U32": "uint32", "I32": "int32", "U64": "uint64", "I64": "int64",
+    "F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+}
+
+
+def _safe_open(file: Path) -> Any:
+    try:
+        from safetensors import safe_open
+    except ImportError:
+        raise ImportError(f"reading {file} needs the safetensors package: "
+                          "pip install 'jax-loopkit[safetensors]'") from None
+    return safe_open(str(file), framework="numpy")
+
+
+class SafetensorsCheckpoint:
+    """The tensors of one or more ``.safetensors`` files, as one checkpoint (step 0)."""
+
+    def __init__(self, files: Sequence[str | Path], where: str | Path | None = None) -> None:
+        self.files = [Path(f) for f in files]
+        self.where = Path(where) if where is not None else self.files[0]
+        self._index: dict[str, tuple[Path, str, jax.ShapeDtypeStruct]] | None = None
+
+    def _tensors(self) -> dict[str, tuple[Path, str, jax.ShapeDtypeStruct]]:
+        """Leaf path -> (file, tensor name, shape and dtype), from the headers alone."""
+        if self._index is not None:
+            return self._index
+        index: dict[str, tuple[Path, str, jax.ShapeDtypeStruct]] = {}
+        for file in self.files:
+            try:
+                with _safe_open(file) as f:
+                    for key in f.keys():
+                        piece = f.get_slice(key)
+                        name = piece.get_dtype()
+                        if name not in _DTYPES:
+                            raise ValueError(f"tensor {key!r} has dtype {name}, which loopkit "
+                                             f"does not read (it reads {', '.join(_DTYPES)})")
+                        path = "/".join(re.split(r"[./]", key))
+                        if path in index:
+                            raise ValueError(f"tensors {index[path][1]!r} and {key!r} both "
+                                             f"become the leaf path {path!r}")
+                        index[path] = (file, key, jax.ShapeDtypeStruct(
+                            tuple(piece.get_shape()), dtype_from_name(_DTYPES[name])))
+            except ImportError:
+                raise
+            except Exception as e:
+                raise CheckpointError(f"safetensors file {file} cannot be read: {e}") from e
+        for path in index:  # a leaf cannot also be a node
+            parts = path.split("/")
+            for i in range(1, len(parts)):
+                if "/".join(parts[:i]) in index:
+                    raise CheckpointError(
+                        f"{self.where}: tensor {index[path][1]!r} lies under tensor "
+                        f"{index['/'.join(parts[:i])][1]!r}: a leaf path cannot also be a node")
+        self._index = index
+        return index
+
+    def path(self, step: int) -> Path:
+        return self.where
+
+    def steps(self) -> list[int]:
+        return [0] if all(f.is_file() for f in self.files) else []
+
+    def structure(self, step: int) -> dict[str, jax.ShapeDtypeStruct]:
+        return {p: s for p, (_, _, s) in self._tensors().items()}
+
+    def restore_leaves(self, step: int, paths: Sequence[str]) -> dict[str, Any]:
+        index = self._tensors()
+        missing = set(paths) - index.keys()
+        if missing:
+            raise KeyError(f"{self.where} has no tensors for the leaf paths {sorted(missing)}")
+        out: dict[str, Any] = {}
+        by_file: dict[Path, list[str]] = {}
+        for p in paths:
+            by_file.setdefault(index[p][0], []).append(p)
+        for file, chosen in by_file.items():
+            try:
+                with _safe_open(file) as f:
+                    for p in chosen:
+                        arr = f.get_tensor(index[p][1])
+                        if arr.dtype != index[p][2].dtype:  # never cast
+                            raise ValueError(f"tensor {index[p][1]!r} read as {arr.dtype}")
+                        out[p] = arr
+            except Exception as e:
+                raise CheckpointError(f"safetensors file {file} cannot be read: {e}") from e
+        return out
+
+    def restore(self, step: int, like: Any = None) -> tuple[Any, dict]:
+        from loopkit.pytree import conform
+
+        values = self.restore_leaves(step, list(self._tensors()))
+        want = like_leaves(like)
+        records, leaves = [], []
+        for p, arr in values.items():
+            as_jax, sharding = placement(want.get(p), arr.shape, arr.dtype)
+            records.append({"path": p.split("/")})
+            leaves.append(put(np.asarray(arr), sharding) if as_jax else arr)
+        state = nest(records, leaves)
+        return (state if like is None else conform(state, like)), {}
+
+    def save(self, step: int, state: Any, metadata: dict) -> None:
+        raise CheckpointError(f"{self.where} is read-only here: loopkit reads safetensors files")
+
+    def delete(self, step: int) -> None:
+        raise CheckpointError(f"{self.where} is read-only here: loopkit reads safetensors files")
+
+    def wait(self) -> None:
+        """Nothing to wait for."""
+
+    def close(self) -> None:
+        """Nothing to release."""
