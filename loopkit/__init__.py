@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from loopkit.carry import StepCarry
 from loopkit.checkpoint import CheckpointBackend, Restored
 from loopkit.config import Config
 from loopkit.coordinator import Coordinator
@@ -24,6 +25,7 @@ __all__ = [
     "PluginError",
     "Restored",
     "Session",
+    "StepCarry",
     "Supervisor",
     "TrainResult",
     "checkpoints_iterator",

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 import jax
 import numpy as np
 
+from loopkit.carry import with_carries
 from loopkit.coordinator import Coordinator, LooperThread, add_note, has_origin
 from loopkit.scheduler import Scheduler, Timer
 
@@ -232,6 +233,17 @@ class Session:
 
     def _compile(self, protect_first_step: bool) -> None:
         fn, cfg = self._step_fn, self.config
+        carries = [c for c in self.hook.step_carry(session=self) if c is not None]
+        host = None
+        if carries:
+            if _is_jitted(fn):
+                wants = ", ".join(c.name for c in carries)
+                raise ValueError(
+                    f"{wants} needs loopkit to jit the step function, but {fn!r} is "
+                    "already jitted and loopkit calls it as given: pass the un-jitted "
+                    "function (loopkit jits it), or turn that option off"
+                )
+            fn, host = with_carries(fn, carries)
         if _is_jitted(fn):
             # Already jitted, maybe with donate_argnums=0 that we cannot undo: the
             # "plain" variant feeds it a copy, so the buffers a saver (or the
@@ -245,6 +257,9 @@ class Session:
         else:
             plain = jax.jit(fn)
             donating = jax.jit(fn, donate_argnums=0) if cfg.donate else plain
+        if host is not None:
+            donating, plain = host(donating), (host(plain) if plain is not donating else None)
+            plain = plain or donating
         self._donating, self._plain, self._call = donating, plain, donating
         if protect_first_step:
             # The caller's own init arrays must stay valid after `train` returns.
