@@ -46,10 +46,12 @@ def test_log_lines_off_a_terminal(caplog):
     assert LOG_SECS == 10.0
     periodic = [m for m in out if re.match(r"loopkit: step \d+/45", m)]
     assert periodic == [
-        f"loopkit: step {s}/45, 1 steps/s, loss={100.0 / s:.4g}" for s in (10, 20, 30, 40)
+        f"loopkit: step {s}/45, 1 steps/s, ETA {45 - s} s, loss={100.0 / s:.4g}; "
+        "time: 100% step, 0% input" for s in (10, 20, 30, 40)
     ]
     # the stop: final step, steps/s and the latest metrics (arrays are left out)
-    assert out[-1] == "loopkit: stopped at step 45 after 45 s, 1 steps/s; loss=2.222"
+    assert out[-1] == ("loopkit: stopped at step 45 after 45 s, 1 steps/s; loss=2.222; "
+                       "time: 100% step, 0% input")
     assert len(out) == 6
 
 
@@ -60,9 +62,11 @@ def test_resume_step_is_shown(caplog):
                   plugins=[Tick(clock, 2.0), ResumeAt(20)], **FAST)
     out = lines(caplog)
     assert out[0] == "loopkit: resumed at step 20 of 30"
-    assert out[1] == "loopkit: step 25/30, 0.5 steps/s, loss=4"
+    assert out[1] == ("loopkit: step 25/30, 0.5 steps/s, ETA 10 s, loss=4; "
+                      "time: 100% step, 0% input")
     # steps/s counts this session's steps only (10 in 20 s)
-    assert out[-1] == "loopkit: stopped at step 30 after 20 s, 0.5 steps/s; loss=3.333"
+    assert out[-1] == ("loopkit: stopped at step 30 after 20 s, 0.5 steps/s; loss=3.333; "
+                       "time: 100% step, 0% input")
 
 
 def test_error_stop_is_logged_without_fetching_metrics(caplog):
@@ -76,6 +80,7 @@ def test_error_stop_is_logged_without_fetching_metrics(caplog):
     with pytest.raises(RuntimeError, match="bad batch"):
         loopkit.train(failing, init=jnp.zeros(()), jit=False, clock=FakeClock(), **FAST)
     assert lines(caplog)[-1] == "loopkit: stopped at step 3 by RuntimeError after 0 s"
+    # (no time shares: no time passed on the fake clock)
 
 
 def test_progress_false_is_silent(caplog):
