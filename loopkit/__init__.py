@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from loopkit.carry import StepCarry
 from loopkit.checkpoint import CheckpointBackend, Restored
 from loopkit.config import Config
 from loopkit.coordinator import Coordinator
@@ -26,6 +27,7 @@ __all__ = [
     "Restored",
     "Session",
     "StashKey",
+    "StepCarry",
     "Supervisor",
     "TrainResult",
     "checkpoints_iterator",

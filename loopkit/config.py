@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 if TYPE_CHECKING:
     import jax
@@ -51,8 +51,15 @@ class Config:
     progress: bool = True
     nan_guard: str | None = None
     profile_steps: tuple[int, int] | None = None
+    profile_every_secs: float | None = None
+    profile_min_secs: float = 3
+    profile_min_steps: int = 5
     disable: tuple[str, ...] = ()
     autoload: bool = True
+    summary_metrics: tuple[str, ...] | None = None
+    summary_reduce: str = "last"
+    hparams: Mapping[str, bool | int | float | str] | None = None
+    progress_secs: float = 10
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -66,6 +73,11 @@ class Config:
                     )
         if self.disable is not None and not isinstance(self.disable, tuple):
             object.__setattr__(self, "disable", tuple(self.disable))
+        metrics = self.summary_metrics
+        if isinstance(metrics, str):
+            object.__setattr__(self, "summary_metrics", (metrics,))
+        elif metrics is not None and not isinstance(metrics, tuple):
+            object.__setattr__(self, "summary_metrics", tuple(metrics))
 
     @property
     def logdir_path(self) -> Path | None:
@@ -167,6 +179,45 @@ def _profile_steps(v: Any) -> str | None:
     return "None or (first, last) global steps with 1 <= first <= last"
 
 
+def _positive_secs(optional: bool):
+    def check(v: Any) -> str | None:
+        if (v is None and optional) or (_is_num(v) and v > 0):
+            return None
+        return "a number of seconds > 0" + (" or None" if optional else "")
+
+    return check
+
+
+def _patterns(v: Any) -> str | None:
+    if v is None:
+        return None
+    items = (v,) if isinstance(v, str) else v
+    if isinstance(items, (tuple, list)) and items and all(
+        isinstance(p, str) and p and p.count("[") <= p.count("]") for p in items
+    ):
+        return None
+    return ('None (every metric) or a non-empty tuple of fnmatch patterns over metric '
+            'names, e.g. ("loss", "acc*"); each a non-empty str with balanced [ ]')
+
+
+def _reduce(v: Any) -> str | None:
+    return None if v in ("last", "mean") and isinstance(v, str) else '"last" or "mean"'
+
+
+def _hparams(v: Any) -> str | None:
+    if v is None:
+        return None
+    if not isinstance(v, Mapping):
+        return "None or a dict of name (str) -> bool, int, float or str"
+    for key, value in v.items():
+        if not isinstance(key, str) or not key:
+            return f"names that are non-empty str; got the name {key!r}"
+        if not isinstance(value, (bool, int, float, str)):
+            return (f"values that are bool, int, float or str; {key!r} is "
+                    f"{type(value).__name__} {value!r}")
+    return None
+
+
 def _disable(v: Any) -> str | None:
     if isinstance(v, (tuple, list, set, frozenset)) and all(isinstance(x, str) for x in v):
         return None
@@ -207,6 +258,13 @@ _CHECKS = {
     "progress": _bool,
     "nan_guard": _metric_name,
     "profile_steps": _profile_steps,
+    "profile_every_secs": _positive_secs(True),
+    "profile_min_secs": _secs(False),
+    "profile_min_steps": _count(1, False),
     "disable": _disable,
     "autoload": _bool,
+    "summary_metrics": _patterns,
+    "summary_reduce": _reduce,
+    "hparams": _hparams,
+    "progress_secs": _positive_secs(False),
 }

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 import pluggy
 
 if TYPE_CHECKING:
+    from loopkit.carry import StepCarry
     from loopkit.checkpoint import CheckpointBackend, Restored
     from loopkit.config import Config
     from loopkit.manager import PluginManager
@@ -88,6 +89,22 @@ def plugin_registered(plugin: Any, manager: PluginManager) -> None:
 
     :param plugin: the plugin object just registered.
     :param manager: the session's `loopkit.manager.PluginManager`.
+    """
+
+
+@hookspec
+def step_carry(session: Session) -> StepCarry | None:
+    """Return a `loopkit.StepCarry` to thread through the jitted step, or None.
+
+    Called once per session, just before the step function is jitted (after
+    the state is ready, before `session_create`). Each carry's ``update`` is
+    traced into the same compiled step, after the step function, so per-step
+    work on device (a running sum of metrics, an average of the weights)
+    costs no host work and no extra dispatch. An already-jitted step function
+    is called as given: a carry then makes the session fail at start-up with a
+    `ValueError` naming the carry's ``name``.
+
+    :param session: the `loopkit.Session`; `session.state` is ready.
     """
 
 

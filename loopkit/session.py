@@ -294,7 +294,8 @@ class Session:
                 data, self.step, restored.data_position if restored is not None else None,
                 restored is not None, self.config.data_sharding,
             )
-        self._compiled = CompiledStep(self._step_fn, self.config)
+        carries = [c for c in hook.step_carry(session=self) if c is not None]
+        self._compiled = CompiledStep(self._step_fn, self.config, carries)
         if protect:  # the caller's own init arrays must stay valid after `train` returns
             self._compiled.skip_donation_once()
         self._before = hook.before_step if hook.before_step.get_hookimpls() else None

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import jax
 
+from loopkit.carry import with_carries
+
 if TYPE_CHECKING:
+    from loopkit.carry import StepCarry
     from loopkit.config import Config
 
 __all__ = ["CompiledStep", "is_jitted"]
@@ -28,7 +31,18 @@ class CompiledStep:
     use the non-donating variant, then goes back to the donating one.
     """
 
-    def __init__(self, fn: Callable[..., Any], config: Config) -> None:
+    def __init__(self, fn: Callable[..., Any], config: Config,
+                 carries: Sequence[StepCarry] = ()) -> None:
+        host = None
+        if carries:
+            if is_jitted(fn):
+                wants = ", ".join(c.name for c in carries)
+                raise ValueError(
+                    f"{wants} needs loopkit to jit the step function, but {fn!r} is "
+                    "already jitted and loopkit calls it as given: pass the un-jitted "
+                    "function (loopkit jits it), or turn that option off"
+                )
+            fn, host = with_carries(fn, carries)
         if is_jitted(fn):
             # Already jitted, maybe with donate_argnums=0 that we cannot undo: the
             # "plain" variant feeds it a copy, so the buffers a saver (or the
@@ -42,6 +56,9 @@ class CompiledStep:
         else:
             plain = jax.jit(fn)
             donating = jax.jit(fn, donate_argnums=0) if config.donate else plain
+        if host is not None:
+            donating, plain = host(donating), (host(plain) if plain is not donating else None)
+            plain = plain or donating
         self.donating, self.plain = donating, plain
         self.call: Callable[..., Any] = donating
 

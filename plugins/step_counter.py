@@ -3,7 +3,8 @@
 The rate is the step delta over the wall-time delta (the session's clock) since
 the previous count; the first one includes compilation. It is written through
 `session.summary_writer` (the chief's) and logged on the ``"loopkit"`` logger at
-INFO; a process without a writer only logs. A normal stop counts the last
+INFO (at DEBUG while the progress bar, which shows the rate, is on a terminal);
+a process without a writer only logs. A normal stop counts the last
 stretch unless the timer just counted it.
 """
 
@@ -54,7 +55,10 @@ class StepCounterPlugin:
         writer = session.summary_writer
         if writer is not None:
             writer.add_scalar(TAG, rate, step)
-        log.info("loopkit: %s: %.4g (step %d)", TAG, rate, step)
+        # on a terminal the progress bar shows the rate: no line through it
+        bar = getattr(session.plugin_manager.get_plugin("progress"), "bar", None)
+        log.log(logging.DEBUG if bar is not None else logging.INFO,
+                "loopkit: %s: %.4g (step %d)", TAG, rate, step)
 
     @hookimpl
     def on_stop(self, session: Session, error: BaseException | None) -> None:

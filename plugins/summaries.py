@@ -3,10 +3,13 @@
 On the chief only, one tensorboardX `SummaryWriter` in `logdir` becomes
 `session.summary_writer`; every built-in and `session.summary_computed` write
 through it. On the summary timer (`save_summaries_secs` / `save_summaries_steps`)
-it writes the latest metrics under their own names, `summary_fn(state)`, and
-loopkit's own cost (`loopkit/overhead_frac`, `loopkit/checkpoint_blocking_secs`).
-A normal stop writes the final step unless the timer already did. See
-docs/summaries.md.
+it writes the metrics that `Config.summary_metrics` chooses under their own
+names (the latest step's values, or with ``summary_reduce="mean"`` their mean
+since the last summary, summed on device inside the jitted step),
+`summary_fn(state)`, and loopkit's own cost (`loopkit/overhead_frac`,
+`loopkit/checkpoint_blocking_secs`). `Config.hparams` goes to TensorBoard's
+HParams dashboard at the start. A normal stop writes the final step unless the
+timer already did. See docs/summaries.md.
 """
 
 from __future__ import annotations
@@ -21,12 +24,15 @@ import numpy as np
 
 from loopkit.config import Config
 from loopkit.hookspec import hookimpl
+from loopkit.plugins.summary_values import IntervalMean, chosen
+from loopkit.writer import write_values
 
 if TYPE_CHECKING:
+    from loopkit.carry import StepCarry
     from loopkit.session import Session
 
 __all__ = ["FLUSH_SECS", "SummariesPlugin", "config_markdown", "event_file_suffix",
-           "plugin", "write_values"]
+           "plugin", "write_hparams"]
 
 INACTIVE = "needs Config.logdir"
 
@@ -47,23 +53,6 @@ def event_file_suffix() -> str:
     return f".{time.time_ns():020d}.{os.getpid()}"
 
 
-def write_values(writer: Any, values: Mapping[str, Any], step: int) -> None:
-    """Write host `values`: numeric scalars as scalars, numeric arrays as histograms,
-    anything else as text."""
-    for tag, value in values.items():
-        arr = np.asarray(value)
-        if arr.dtype.kind in "biuf":
-            if arr.ndim == 0:
-                writer.add_scalar(tag, float(arr), step)
-            else:
-                # np.histogram rejects NaN and inf: histogram the finite values
-                finite = arr[np.isfinite(arr)]
-                if finite.size:
-                    writer.add_histogram(tag, finite.astype(np.float64), step)
-        else:
-            writer.add_text(tag, value if isinstance(value, str) else repr(value), step)
-
-
 def config_markdown(config: Config) -> str:
     """The run's Config as a Markdown table of field reprs (TensorBoard's Text tab)."""
     rows = ["| field | value |", "|---|---|"]
@@ -71,6 +60,19 @@ def config_markdown(config: Config) -> str:
         text = repr(getattr(config, f.name)).replace("|", "\\|").replace("`", "'")
         rows.append(f"| {f.name} | `{text}` |")
     return "\n".join(rows)
+
+
+def write_hparams(writer: Any, hparams: Mapping[str, Any], step: int) -> None:
+    """Write `hparams` as the run's session in TensorBoard's HParams dashboard.
+
+    Only the session-start record: TensorBoard then builds the experiment from
+    every run's record, and the metrics columns from the runs' scalar tags, so
+    runs started with different hparams compare side by side.
+    """
+    from tensorboardX.summary import hparams as hparams_summary
+
+    _, session_start, _ = hparams_summary(dict(hparams), {})
+    writer.file_writer.add_summary(session_start, step)
 
 
 class SummariesPlugin:
@@ -82,6 +84,12 @@ class SummariesPlugin:
         self._written_step: int | None = None
         self._last_time = 0.0
         self._last_busy = 0.0
+        self.mean = IntervalMean(config.summary_metrics) if config.summary_reduce == "mean" else None
+
+    @hookimpl
+    def step_carry(self) -> StepCarry | None:
+        # on every process, so that every process compiles the same step
+        return None if self.mean is None else self.mean.carry
 
     @hookimpl(tryfirst=True)  # built-in services start before other plugins'
     def session_create(self, session: Session) -> None:
@@ -107,6 +115,8 @@ class SummariesPlugin:
         # At the purge step on a resume (one config per session even when several
         # sessions resume at the same step, e.g. at max_steps: each purges the last).
         self.writer.add_text("loopkit/config", config_markdown(cfg), purge_step)
+        if cfg.hparams:
+            write_hparams(self.writer, cfg.hparams, purge_step)
         self.writer.flush()
         self._written_step = session.step  # nothing to write before a step runs
         self._last_time = session.clock()
@@ -121,7 +131,7 @@ class SummariesPlugin:
         # time of the timer actions at a boundary lands in `stats` once they all
         # returned, so it belongs to the window that starts at that boundary.
         now, busy = session.clock(), stats.overhead_secs()
-        values = dict(session.host_metrics())  # the one cached conversion of this step
+        values = self._metrics(session)
         fn = self.config.summary_fn
         if fn is not None:
             extra = fn(session.state)
@@ -144,6 +154,18 @@ class SummariesPlugin:
             )
         writer.flush()
         self._written_step = step
+
+    def _metrics(self, session: Session) -> dict[str, Any]:
+        patterns, mean = self.config.summary_metrics, self.mean
+        if mean is None:
+            # the one cached conversion of this step, shared with progress and nan_guard
+            return chosen(session.host_metrics(), patterns)
+        values = mean.take()
+        names = chosen(session.metrics or {}, patterns)
+        if any(k not in values for k in names):  # not averaged (e.g. not a number)
+            host = session.host_metrics()
+            values.update({k: host[k] for k in names if k not in values})
+        return values
 
     @hookimpl
     def on_stop(self, session: Session, error: BaseException | None) -> None:

@@ -44,6 +44,21 @@ def test_defaults_are_the_supervisors():
         ("disable", "progress", "a tuple of plugin names"),
         ("data_sharding", "cpu", "a jax.sharding.Sharding or None"),
         ("logdir", "", "a non-empty path"),
+        ("summary_metrics", ("loss", 3), "a non-empty tuple of fnmatch patterns"),
+        ("summary_metrics", ("acc[",), "balanced [ ]"),
+        ("summary_metrics", ("",), "a non-empty tuple of fnmatch patterns"),
+        ("summary_metrics", (), "a non-empty tuple of fnmatch patterns"),
+        ("summary_reduce", "average", '"last" or "mean"'),
+        ("summary_reduce", None, '"last" or "mean"'),
+        ("hparams", [("lr", 0.1)], "a dict of name (str) -> bool, int, float or str"),
+        ("hparams", {"layers": [64, 64]}, "'layers' is list [64, 64]"),
+        ("hparams", {"lr": None}, "'lr' is NoneType None"),
+        ("hparams", {3: 0.1}, "got the name 3"),
+        ("progress_secs", 0, "a number of seconds > 0"),
+        ("progress_secs", None, "a number of seconds > 0"),
+        ("profile_every_secs", 0, "a number of seconds > 0 or None"),
+        ("profile_min_secs", -1, "a number of seconds >= 0"),
+        ("profile_min_steps", 0, "an int >= 1"),
     ],
 )
 def test_bad_value_names_field_value_and_what_is_allowed(field, value, allowed):
@@ -58,6 +73,15 @@ def test_secs_take_int_or_float_and_zero_or_none_disable():
     assert Config(save_model_secs=1.5).save_model_secs == 1.5
     assert Config(save_model_secs=0, save_model_steps=None).save_model_secs == 0
     assert Config(save_summaries_secs=None).save_summaries_secs is None
+
+
+def test_summary_metrics_take_one_pattern_or_a_list():
+    assert Config(summary_metrics="loss").summary_metrics == ("loss",)
+    assert Config(summary_metrics=["loss", "acc*"]).summary_metrics == ("loss", "acc*")
+    c = Config()
+    assert (c.summary_metrics, c.summary_reduce, c.hparams, c.progress_secs) == (
+        None, "last", None, 10)
+    assert Config(hparams={"lr": 0.1, "opt": "adam", "layers": 2, "ema": True}).hparams
 
 
 def test_disable_list_becomes_tuple():

@@ -78,3 +78,44 @@ def test_resumed_inside_the_range_traces_the_rest(tmp_path):
                   plugins=[capture, ResumeAt()], **FAST)
     assert (capture.profiler.started_at, capture.profiler.stopped_at) == (4, 6)
     assert len(traces(tmp_path)) == 1
+
+
+def test_periodic_traces_last_at_least_the_minimum(tmp_path):
+    from loopkit.testing import FakeClock, Tick
+
+    capture, clock = Capture(), FakeClock()
+    loopkit.train(step_fn, init=jnp.eye(4), logdir=tmp_path, max_steps=38, clock=clock,
+                  profile_every_secs=10, profile_min_secs=3, profile_min_steps=5,
+                  plugins=[capture, Tick(clock, 1.0)], **FAST)
+    # one step per second: a trace starts every 10 s and stops once it has run
+    # 5 steps and 3 s; the one still running at the stop is finished there
+    assert capture.profiler.traces == [(11, 15), (21, 25), (31, 35)]
+    assert capture.profiler.started_at is None
+    assert traces(tmp_path)  # jax names trace directories by the second: may share one
+
+
+def test_periodic_trace_waits_for_enough_steps(tmp_path):
+    from loopkit.testing import FakeClock, Tick
+
+    capture, clock = Capture(), FakeClock()
+    loopkit.train(step_fn, init=jnp.eye(4), logdir=tmp_path, max_steps=30, clock=clock,
+                  profile_every_secs=4, profile_min_secs=1, profile_min_steps=6,
+                  plugins=[capture, Tick(clock, 2.0)], **FAST)
+    # 2 s per step: 1 s passes within a step, but 6 steps are needed; the
+    # periodic timer is skipped while a trace runs
+    first, last = capture.profiler.traces[0]
+    assert (first, last) == (3, 8)
+    assert all(b - a + 1 >= 6 for a, b in capture.profiler.traces[:-1])
+
+
+def test_profile_steps_and_periodic_together(tmp_path):
+    from loopkit.testing import FakeClock, Tick
+
+    capture, clock = Capture(), FakeClock()
+    loopkit.train(step_fn, init=jnp.eye(4), logdir=tmp_path, max_steps=20, clock=clock,
+                  profile_steps=(12, 14), profile_every_secs=10, profile_min_secs=0,
+                  profile_min_steps=2, plugins=[capture, Tick(clock, 1.0)], **FAST)
+    # the periodic trace started at step 10 is still running when the range
+    # begins (after step 11): the range takes it over, so one trace covers both
+    assert capture.profiler.traces == [(11, 14)]
+    assert (capture.profiler.started_at, capture.profiler.stopped_at) == (11, 14)

@@ -1,0 +1,95 @@
+"""Which metrics a summary shows (`Config.summary_metrics`) and their interval mean.
+
+`chosen` keeps the metrics whose names match the patterns. `IntervalMean` is the
+`StepCarry` behind ``Config.summary_reduce="mean"``: it adds each chosen
+metric to a running sum inside the jitted step (the scalars packed in one vector
+with the step count, so the step gains one input and one output array, not one
+per metric) and turns the sums into means when a summary is written.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Any, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from loopkit.carry import StepCarry
+
+__all__ = ["IntervalMean", "chosen", "is_chosen"]
+
+
+def is_chosen(name: str, patterns: Sequence[str] | None) -> bool:
+    """Whether metric `name` matches one of `patterns` (None: every name)."""
+    return patterns is None or any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def chosen(metrics: Mapping[str, Any], patterns: Sequence[str] | None) -> dict[str, Any]:
+    """The metrics whose names match `patterns`, in their order.
+
+    >>> chosen({"loss": 1.0, "acc": 0.5, "denominator": 8}, ("loss", "acc*"))
+    {'loss': 1.0, 'acc': 0.5}
+    """
+    if patterns is None:
+        return dict(metrics)
+    return {k: v for k, v in metrics.items() if is_chosen(k, patterns)}
+
+
+def _averaged(like: Any) -> bool:
+    return np.dtype(like.dtype).kind in "biuf"
+
+
+class IntervalMean:
+    """Each chosen metric's mean over the steps since the last `take`, summed on device."""
+
+    def __init__(self, patterns: Sequence[str] | None) -> None:
+        self.patterns = patterns
+        #: names summed in the packed vector (scalars) and as their own arrays
+        self.scalars: list[str] = []
+        self.arrays: list[str] = []
+        self._like: Any = None
+        self.carry = StepCarry(self._init, self._update, name="Config.summary_reduce='mean'")
+
+    def _init(self, state: Any, metrics: Any) -> Any:
+        if not isinstance(metrics, Mapping):
+            metrics = {}
+        dtype = jnp.result_type(float)  # float32, or float64 with x64 on
+        for name, like in metrics.items():
+            if isinstance(name, str) and is_chosen(name, self.patterns) and _averaged(like):
+                (self.scalars if like.ndim == 0 else self.arrays).append(name)
+        self._like = (
+            jax.ShapeDtypeStruct((len(self.scalars) + 1,), dtype),
+            {k: jax.ShapeDtypeStruct(metrics[k].shape, dtype) for k in self.arrays},
+        )
+        return self._zeros()
+
+    def _zeros(self) -> Any:
+        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self._like)
+
+    def _update(self, value: Any, state: Any, metrics: Mapping[str, Any]) -> Any:
+        packed, arrays = value
+        dtype = packed.dtype
+        step = jnp.stack([jnp.asarray(metrics[k]).astype(dtype) for k in self.scalars]
+                         + [jnp.ones((), dtype)])
+        arrays = {k: a + jnp.asarray(metrics[k]).astype(dtype) for k, a in arrays.items()}
+        return packed + step, arrays
+
+    def take(self) -> dict[str, Any]:
+        """The means since the last `take` (host values), and a fresh sum.
+
+        Empty when no step ran since. Call it at a step boundary (a timer or
+        `on_stop`): the next step donates the sums.
+        """
+        value = self.carry.value
+        if value is None:
+            return {}
+        packed, arrays = jax.device_get(value)
+        count = packed[-1]
+        if count == 0:
+            return {}
+        self.carry.value = self._zeros()
+        means: dict[str, Any] = {k: float(s / count) for k, s in zip(self.scalars, packed)}
+        means.update({k: a / count for k, a in arrays.items()})
+        return means
