@@ -48,7 +48,9 @@ def _copy(x: Any) -> Any:
 
 
 def _is_jitted(fn: Any) -> bool:
-    return callable(getattr(fn, "lower", None)) and callable(getattr(fn, "eval_shape", None))
+    # jax.jit, flax.nnx.jit and equinox.filter_jit all have `lower`; equinox's
+    # wrapper is no PjitFunction and has no `eval_shape`
+    return callable(getattr(fn, "lower", None))
 
 
 class Session:

@@ -15,7 +15,7 @@ from loopkit.config import Config
 from loopkit.coordinator import Coordinator, LooperThread, add_note
 from loopkit.data import make_input
 from loopkit.manager import BUILTINS, make_plugin_manager
-from loopkit.pytree import abstract, check_matches, concrete_like, conform
+from loopkit.pytree import abstract, check_matches, conform, trace_init
 from loopkit.scheduler import Agreement
 from loopkit.session import Session
 
@@ -208,28 +208,23 @@ class _ManagedSession:
 
     def _prepare(self, session: Session) -> None:
         init, hook = self.init, session.hook
-        built = None  # init() run for real because it could not be traced
-        if callable(init):
-            try:
-                like = concrete_like(init, jax.eval_shape(init))
-            except jax.errors.JAXTypeError as ex:
-                # e.g. numpy or float() on a traced value: build it once, for real
-                log.info("loopkit: init could not be traced (%s); calling it", type(ex).__name__)
-                built = init()
-                like = abstract(built)
-        else:
-            like = abstract(init)
+        # A callable init is traced (and lowered where shardings matter), not run;
+        # built is init() run for real, once, when it could not be traced.
+        like, built = trace_init(init) if callable(init) else (abstract(init), None)
         restored = hook.restore_state(session=session, like=like)
         if restored is not None:
             session.restored = restored
             session.state = conform(restored.state, like)
             session.step = int(restored.step)
-            protect = False
         else:
-            state = built if built is not None else init() if callable(init) else init
+            if callable(init) and built is None:
+                built = init()
+                # the state of this one call is the reference: its static fields
+                # (a transform made inside init) are not those of the trace
+                like = abstract(built)
+            state = built if built is not None else init
             new = hook.init_state(session=session, state=state)
             session.state = state if new is None else new
-            protect = not callable(init)
         hook.local_init(session=session)
         check_matches(
             session.state, like,
@@ -241,7 +236,9 @@ class _ManagedSession:
                 restored.data_position if restored is not None else None,
                 restored is not None, session.config.data_sharding,
             )
-        session._compile(protect_first_step=protect)
+        # The first step never donates: the caller may still hold init's arrays
+        # (passed, or captured by an init callable), or a restore's.
+        session._compile(protect_first_step=True)
         max_steps = session.config.max_steps
         if max_steps is not None:
             if session.step >= max_steps:

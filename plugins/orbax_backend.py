@@ -58,7 +58,7 @@ from loopkit.errors import CheckpointError
 from loopkit.fs import fsync_dir, fsync_tree
 from loopkit.pytree import conform
 from loopkit.plugins.leaf_records import (
-    check_records, host_value, leaf_records, like_leaves, nest, placement,
+    check_records, finish, host_value, leaf_records, like_leaves, nest, placement,
     put, record_struct, remove_stale, saving_lock,
 )
 
@@ -322,10 +322,10 @@ class OrbaxBackend:
             elif 0 in struct.shape:  # not in orbax: made here, placed like the others
                 empty = np.zeros(struct.shape, struct.dtype)
                 as_jax, sharding = placement(like.get("/".join(rec["path"])), struct.shape, struct.dtype)
-                out.append(put(empty, sharding) if as_jax else host_value(rec, empty))
+                out.append(finish(rec, put(empty, sharding) if as_jax else host_value(rec, empty)))
             else:
                 value = values["/".join(rec["path"] or ["state"])]
-                out.append(value[()] if rec["kind"] == "npscalar" else value)
+                out.append(finish(rec, value[()] if rec["kind"] == "npscalar" else value))
         return out
 
     def restore(self, step: int, like: Any = None) -> tuple[Any, dict]:
