@@ -234,6 +234,17 @@ def _needs_shardings(like: PyTree) -> bool:
                for x in jax.tree.leaves(like))
 
 
+def _device_put_shardings(jaxpr: Any) -> list[Any]:
+    """For each output of ``jaxpr``, the sharding a top-level ``device_put`` gave it, or None."""
+    made: dict[Any, Any] = {}
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "device_put":
+            for var, where in zip(eqn.outvars, eqn.params.get("devices", ())):
+                if isinstance(where, jax.sharding.Sharding):
+                    made[var] = where
+    return [None if type(v).__name__ == "Literal" else made.get(v) for v in jaxpr.outvars]
+
+
 def trace_init(init: Callable[[], PyTree]) -> tuple[PyTree, PyTree | None]:
     """(abstract state, built state or None) of a zero-argument `init`, running it only if needed.
 
@@ -248,11 +259,16 @@ def trace_init(init: Callable[[], PyTree]) -> tuple[PyTree, PyTree | None]:
         traced = jax.jit(init).trace()
         like = traced.out_info
         if _needs_shardings(like):
-            shardings = traced.lower().compile().output_shardings
             leaves, treedef = jax.tree.flatten(like)
+            shardings = jax.tree.leaves(traced.lower().compile().output_shardings)
+            placed = _device_put_shardings(traced.jaxpr.jaxpr)
+            if len(shardings) == len(leaves) == len(placed):
+                # what init asked for with device_put wins over what XLA chose
+                # (on auto axes, a device_put inside jit is no constraint)
+                shardings = [p if p is not None else s for p, s in zip(placed, shardings)]
             like = jax.tree.unflatten(treedef, [
                 x.update(sharding=s) if s is not None else x
-                for x, s in zip(leaves, jax.tree.leaves(shardings))])
+                for x, s in zip(leaves, shardings)])
         return like, None
     except Exception as ex:  # noqa: BLE001 - any failure: build it once, for real
         log.info("loopkit: init could not be traced (%s: %s); calling it",
