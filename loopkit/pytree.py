@@ -1,15 +1,23 @@
-"""Pytree helpers: leaf paths as users write them, and the ready check."""
+"""Pytree helpers: leaf paths as users write them, the ready check, and `init`'s abstract state."""
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+import logging
+from typing import Any, Callable
 
 import jax
 import numpy as np
 
-__all__ = ["leaf_path", "leaves_with_paths", "abstract", "check_matches", "conform"]
+__all__ = [
+    "leaf_path", "leaves_with_paths", "abstract", "check_matches", "check_storable",
+    "conform", "is_key", "trace_init",
+]
+
+log = logging.getLogger("loopkit")
 
 PyTree = Any
+_PY_SCALARS = (bool, int, float, complex, str)
 
 
 def _key_str(key: Any) -> str:
@@ -28,32 +36,126 @@ def leaves_with_paths(tree: PyTree) -> list[tuple[str, Any]]:
     return [(leaf_path(kp), leaf) for kp, leaf in jax.tree_util.tree_leaves_with_path(tree)]
 
 
-def shape_dtype(x: Any) -> tuple[tuple[int, ...], np.dtype]:
+def is_key(dtype: Any) -> bool:
+    """True for a typed PRNG key dtype (``key<fry>``, from `jax.random.key`)."""
+    try:
+        return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+    except TypeError:
+        return False
+
+
+def shape_dtype(x: Any) -> tuple[tuple[int, ...], Any]:
+    """(shape, dtype) of a leaf as jax will hold it; dtype ``object`` for what jax cannot hold."""
     if isinstance(x, (jax.ShapeDtypeStruct, jax.Array, np.ndarray, np.generic)):
+        if is_key(x.dtype):
+            return tuple(x.shape), x.dtype
         # as jax will hold it: a float64 numpy init becomes float32 without x64
-        return tuple(x.shape), np.dtype(jax.dtypes.canonicalize_dtype(x.dtype))
-    arr = np.asarray(x)
+        return tuple(x.shape), _canonical(x.dtype)
+    try:
+        arr = np.asarray(x)
+    except Exception:  # noqa: BLE001 - an object numpy cannot even wrap
+        return (), np.dtype(object)
     # Python scalars become weakly-typed JAX values of the default dtype.
-    return tuple(arr.shape), np.dtype(jax.dtypes.canonicalize_dtype(arr.dtype))
+    return tuple(arr.shape), _canonical(arr.dtype)
+
+
+def _unholdable(dtype: np.dtype) -> bool:
+    """Objects, strings and raw bytes (not the ml_dtypes, whose numpy kind is also "V")."""
+    return dtype.kind in "OSU" or dtype.type is np.void
+
+
+def _canonical(dtype: Any) -> np.dtype:
+    dtype = np.dtype(dtype)
+    return dtype if _unholdable(dtype) else np.dtype(jax.dtypes.canonicalize_dtype(dtype))
 
 
 def abstract(tree: PyTree) -> PyTree:
-    """The tree with every leaf replaced by a `jax.ShapeDtypeStruct` (keeping shardings)."""
+    """The tree with every array-like leaf a `jax.ShapeDtypeStruct` (keeping shardings and weak types).
 
-    def one(x: Any) -> jax.ShapeDtypeStruct:
+    A leaf jax cannot hold (a function, an object array) is kept as it is, for the
+    checks to name.
+    """
+
+    def one(x: Any) -> Any:
         if isinstance(x, jax.ShapeDtypeStruct):
             return x
         shape, dtype = shape_dtype(x)
-        sharding = getattr(x, "sharding", None) if isinstance(x, jax.Array) else None
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+        if not is_key(dtype) and _unholdable(dtype):
+            return x
+        if isinstance(x, jax.Array):
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=x.sharding,
+                                        weak_type=bool(getattr(x, "weak_type", False)))
+        weak = type(x) in (int, float, complex)
+        return jax.ShapeDtypeStruct(shape, dtype, weak_type=weak)
 
     return jax.tree.map(one, tree)
+
+
+# -- the ready check -----------------------------------------------------------------
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _children(node: Any) -> tuple[list[tuple[str, Any]], Any]:
+    """The node's direct children by key, and its one-level structure."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda y: y is not node)
+    return [(leaf_path(kp), child) for kp, child in flat], treedef
+
+
+def _static_difference(a: Any, b: Any, keys: set[str]) -> str:
+    """Which static field differs between two nodes of the same type, with short reprs."""
+    if dataclasses.is_dataclass(a) and dataclasses.is_dataclass(b):
+        for f in dataclasses.fields(a):
+            if f.name in keys:
+                continue
+            va, vb = getattr(a, f.name, None), getattr(b, f.name, None)
+            try:
+                same = bool(va is vb or va == vb)
+            except Exception:  # noqa: BLE001 - values without a boolean equality
+                same = False
+            if not same:
+                return f"static field {f.name!r} differs: {_short(va)} vs {_short(vb)}"
+    _, da = _children(a)
+    _, db = _children(b)
+    aux_a, aux_b = da.node_data(), db.node_data()
+    return (f"the node's static data differs: {_short(aux_a[1] if aux_a else None)} vs "
+            f"{_short(aux_b[1] if aux_b else None)}")
+
+
+def _first_difference(a: Any, b: Any, path: str = "") -> tuple[str, str] | None:
+    """(path, what differs) at the first node where the structures of `a` and `b` differ."""
+    if jax.tree.structure(a) == jax.tree.structure(b):
+        return None
+    ca, da = _children(a)
+    cb, db = _children(b)
+    where = path or "<root>"
+    if da.num_leaves == 1 and not ca[0][0] or db.num_leaves == 1 and not cb[0][0]:
+        # one side is a leaf here, the other a container
+        return where, f"{type(a).__name__} vs {type(b).__name__}"
+    if type(a) is not type(b):
+        return where, f"a {type(a).__name__} vs a {type(b).__name__}"
+    ka, kb = [k for k, _ in ca], [k for k, _ in cb]
+    if ka != kb:
+        return where, f"keys {ka} vs {kb}"
+    if da != db:
+        return where, _static_difference(a, b, set(ka))
+    for (k, x), (_, y) in zip(ca, cb):
+        found = _first_difference(x, y, f"{path}/{k}" if path else k)
+        if found is not None:
+            return found
+    return where, "the tree structure differs"
 
 
 def check_matches(state: PyTree, like: PyTree, what: str = "the restored state") -> None:
     """Raise `ValueError` naming every leaf where `state` differs from `like`.
 
-    Compares tree structure, then each leaf's shape and dtype.
+    Compares the leaf paths, then each leaf's shape and dtype (a key's
+    implementation included; not its weak type, which training may change),
+    then the structure, naming the first differing node (for a static field,
+    the field and both values), never a whole PyTreeDef.
     """
     got = dict(leaves_with_paths(state))
     want = dict(leaves_with_paths(like))
@@ -70,13 +172,37 @@ def check_matches(state: PyTree, like: PyTree, what: str = "the restored state")
                 f"  {path or '<root>'}: {what} has shape {gs} dtype {gd}, "
                 f"the init state has shape {ws} dtype {wd}"
             )
-    if not problems and jax.tree.structure(state) != jax.tree.structure(like):
-        problems.append(
-            f"  tree structure differs: {what} is {jax.tree.structure(state)}, "
-            f"the init state is {jax.tree.structure(like)}"
-        )
+    if not problems:
+        found = _first_difference(state, like)
+        if found is not None:
+            problems.append(f"  {found[0]}: {what} differs from the init state: {found[1]}")
     if problems:
-        raise ValueError(f"{what} does not match the init state:\n" + "\n".join(problems))
+        raise ValueError(f"{what} does not match the init state:\n" + "\n".join(problems[:20])
+                         + (f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""))
+
+
+def check_storable(state: PyTree) -> None:
+    """Raise `TypeError` naming the first leaf no checkpoint can store.
+
+    Storable: arrays of any non-object dtype (typed keys included), Python
+    scalars and strings, None. Not: object arrays, functions or other objects
+    as leaves (make them static fields of a registered node instead).
+    """
+    for path, leaf in leaves_with_paths(state):
+        if type(leaf) in _PY_SCALARS:
+            continue
+        if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)) and is_key(leaf.dtype):
+            continue
+        dtype = getattr(leaf, "dtype", None)
+        if not isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic)):
+            dtype = None
+        if dtype is None or np.dtype(dtype).kind == "O" or np.dtype(dtype).type is np.void:
+            kind = f"an array of dtype {dtype}" if dtype is not None else type(leaf).__name__
+            raise TypeError(
+                f"state leaf {path or '<root>'!r} is {kind} ({_short(leaf)}), which no checkpoint "
+                "can store: a state's leaves are arrays, typed keys, Python scalars or None "
+                "(a function or other object belongs in a static field of a registered node)"
+            )
 
 
 def conform(state: PyTree, like: PyTree) -> PyTree:
@@ -84,7 +210,8 @@ def conform(state: PyTree, like: PyTree) -> PyTree:
 
     A backend returns what is stored; a namedtuple saved by one library may come
     back as a dict of its fields. Same paths, same leaves: take the caller's
-    containers. Anything else is left for `check_matches` to report.
+    containers (and their static fields). Anything else is left for
+    `check_matches` to report.
     """
     like_def = jax.tree.structure(like)
     if jax.tree.structure(state) == like_def:
@@ -96,25 +223,55 @@ def conform(state: PyTree, like: PyTree) -> PyTree:
     return jax.tree.unflatten(like_def, [got[p] for p in want])
 
 
-def _abstract_mesh(x: Any) -> bool:
-    mesh = getattr(getattr(x, "sharding", None), "mesh", None)
-    return mesh is not None and type(mesh).__name__ == "AbstractMesh"
+# -- init's abstract state -------------------------------------------------------------
 
 
-def concrete_like(init: Any, like: PyTree) -> PyTree:
-    """`like` (from `jax.eval_shape(init)`) with concrete shardings where it has abstract ones.
+def _needs_shardings(like: PyTree) -> bool:
+    """Whether lowering must tell where the leaves live (several devices, or a mesh)."""
+    if jax.device_count() > 1:
+        return True
+    return any(getattr(getattr(x, "sharding", None), "mesh", None) is not None
+               for x in jax.tree.leaves(like))
 
-    `eval_shape` knows a leaf's `NamedSharding` only over an `AbstractMesh`; a
-    backend restoring the leaf needs the real devices. Lowering and compiling
-    `init` (nothing is materialised) gives them.
+
+def _device_put_shardings(jaxpr: Any) -> list[Any]:
+    """For each output of ``jaxpr``, the sharding a top-level ``device_put`` gave it, or None."""
+    made: dict[Any, Any] = {}
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "device_put":
+            for var, where in zip(eqn.outvars, eqn.params.get("devices", ())):
+                if isinstance(where, jax.sharding.Sharding):
+                    made[var] = where
+    return [None if type(v).__name__ == "Literal" else made.get(v) for v in jaxpr.outvars]
+
+
+def trace_init(init: Callable[[], PyTree]) -> tuple[PyTree, PyTree | None]:
+    """(abstract state, built state or None) of a zero-argument `init`, running it only if needed.
+
+    `init` is traced once (`jax.jit(init).trace()`): shapes, dtypes, weak types
+    and key types. Where shardings matter, the trace is lowered and compiled
+    (nothing runs) and the leaves take the compiled output shardings, on any
+    mesh (auto or explicit axes, or abstract). If tracing or lowering fails for
+    any reason (numpy on a traced value, `jax.set_mesh` inside, an unstorable
+    leaf), `init` is called once for real and that state is returned as built.
     """
-    if not any(_abstract_mesh(x) for x in jax.tree.leaves(like)):
-        return like
-    compiled = jax.jit(init).lower().compile().output_shardings
-
-    def fix(x: Any, sharding: Any) -> Any:
-        if not _abstract_mesh(x):
-            return x
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-
-    return jax.tree.map(fix, like, compiled)
+    try:
+        traced = jax.jit(init).trace()
+        like = traced.out_info
+        if _needs_shardings(like):
+            leaves, treedef = jax.tree.flatten(like)
+            shardings = jax.tree.leaves(traced.lower().compile().output_shardings)
+            placed = _device_put_shardings(traced.jaxpr.jaxpr)
+            if len(shardings) == len(leaves) == len(placed):
+                # what init asked for with device_put wins over what XLA chose
+                # (on auto axes, a device_put inside jit is no constraint)
+                shardings = [p if p is not None else s for p, s in zip(placed, shardings)]
+            like = jax.tree.unflatten(treedef, [
+                x.update(sharding=s) if s is not None else x
+                for x, s in zip(leaves, shardings)])
+        return like, None
+    except Exception as ex:  # noqa: BLE001 - any failure: build it once, for real
+        log.info("loopkit: init could not be traced (%s: %s); calling it",
+                 type(ex).__name__, _short(str(ex), 200))
+    built = init()
+    return abstract(built), built

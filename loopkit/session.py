@@ -18,7 +18,7 @@ import numpy as np
 
 from loopkit.coordinator import Coordinator, LooperThread, SignalHandlers, add_note, has_origin
 from loopkit.data import make_input
-from loopkit.pytree import abstract, check_matches, concrete_like, conform
+from loopkit.pytree import abstract, check_matches, conform, trace_init
 from loopkit.scheduler import Agreement, Scheduler, Timer
 from loopkit.stash import Stash, StashKey
 from loopkit.step import CompiledStep
@@ -262,28 +262,23 @@ class Session:
 
     def _prepare(self, init: Any, data: Any) -> None:
         hook = self.hook
-        built = None  # init() run for real because it could not be traced
-        if callable(init):
-            try:
-                like = concrete_like(init, jax.eval_shape(init))
-            except jax.errors.JAXTypeError as ex:
-                # e.g. numpy or float() on a traced value: build it once, for real
-                log.info("loopkit: init could not be traced (%s); calling it", type(ex).__name__)
-                built = init()
-                like = abstract(built)
-        else:
-            like = abstract(init)
+        # A callable init is traced (and lowered where shardings matter), not run;
+        # built is init() run for real, once, when it could not be traced.
+        like, built = trace_init(init) if callable(init) else (abstract(init), None)
         restored = hook.restore_state(session=self, like=like)
         if restored is not None:
             self.restored = restored
             self.state = conform(restored.state, like)
             self.step = int(restored.step)
-            protect = False
         else:
-            state = built if built is not None else init() if callable(init) else init
+            if callable(init) and built is None:
+                built = init()
+                # the state of this one call is the reference: its static fields
+                # (a transform made inside init) are not those of the trace
+                like = abstract(built)
+            state = built if built is not None else init
             new = hook.init_state(session=self, state=state)
             self.state = state if new is None else new
-            protect = not callable(init)
         hook.local_init(session=self)
         check_matches(
             self.state, like,
@@ -296,8 +291,9 @@ class Session:
             )
         carries = [c for c in hook.step_carry(session=self) if c is not None]
         self._compiled = CompiledStep(self._step_fn, self.config, carries)
-        if protect:  # the caller's own init arrays must stay valid after `train` returns
-            self._compiled.skip_donation_once()
+        # The first step never donates: the caller may still hold init's arrays
+        # (passed, or captured by an init callable), or a restore's.
+        self._compiled.skip_donation_once()
         self._before = hook.before_step if hook.before_step.get_hookimpls() else None
         self._after = hook.after_step if hook.after_step.get_hookimpls() else None
         self._arm_stops()

@@ -17,7 +17,9 @@ __all__ = ["CompiledStep", "is_jitted"]
 
 def is_jitted(fn: Any) -> bool:
     """True for a function JAX has already jitted (`jax.jit` and wrappers built on it)."""
-    return callable(getattr(fn, "lower", None)) and callable(getattr(fn, "eval_shape", None))
+    # jax.jit, flax.nnx.jit and equinox.filter_jit all have `lower`; equinox's
+    # wrapper is no PjitFunction and has no `eval_shape`
+    return callable(getattr(fn, "lower", None))
 
 
 def _copy(x: Any) -> Any:

@@ -18,7 +18,7 @@ from typing import Any
 
 from loopkit.hookspec import hookimpl
 
-__all__ = ["FakeClock", "HookCall", "HookRecorder", "Tick"]
+__all__ = ["FakeClock", "HookCall", "HookRecorder", "Tick", "assert_same_state"]
 
 
 @dataclasses.dataclass
@@ -123,3 +123,41 @@ class Tick:
     @hookimpl
     def after_step(self) -> None:
         self.clock.advance(self.secs)
+
+
+def assert_same_state(got: Any, want: Any) -> None:
+    """Assert that two states are identical: their leaf paths, and every leaf's Python
+    type, dtype (a key's implementation included), weak type, sharding and bits.
+
+    What a resumed run is checked against: the uninterrupted run's state. Static
+    fields are not compared: two calls of an init make two equal but distinct
+    transforms and bound methods.
+
+    >>> import jax, jax.numpy as jnp
+    >>> assert_same_state({"k": jax.random.key(0), "lr": 0.5}, {"k": jax.random.key(0), "lr": 0.5})
+    """
+    import jax
+    import numpy as np
+
+    from loopkit.pytree import is_key, leaves_with_paths
+
+    got_leaves, want_leaves = leaves_with_paths(got), leaves_with_paths(want)
+    assert [p for p, _ in got_leaves] == [p for p, _ in want_leaves], "the leaf paths differ"
+    for (path, a), (_, b) in zip(got_leaves, want_leaves):
+        where = path or "<root>"
+        assert type(a) is type(b), f"{where}: {type(a).__name__} vs {type(b).__name__}"
+        if not hasattr(b, "dtype"):
+            assert a == b, f"{where}: {a!r} vs {b!r}"
+            continue
+        assert a.dtype == b.dtype, f"{where}: dtype {a.dtype} vs {b.dtype}"
+        assert getattr(a, "weak_type", None) == getattr(b, "weak_type", None), (
+            f"{where}: weak type {getattr(a, 'weak_type', None)} vs {getattr(b, 'weak_type', None)}")
+        if isinstance(b, jax.Array):
+            assert a.sharding.is_equivalent_to(b.sharding, b.ndim), (
+                f"{where}: sharding {a.sharding} vs {b.sharding}")
+        if is_key(b.dtype):
+            assert str(jax.random.key_impl(a)) == str(jax.random.key_impl(b))
+            a, b = jax.random.key_data(a), jax.random.key_data(b)
+        a, b = np.asarray(a), np.asarray(b)
+        assert a.shape == b.shape, f"{where}: shape {a.shape} vs {b.shape}"
+        assert a.tobytes() == b.tobytes(), f"{where}: the bits differ"

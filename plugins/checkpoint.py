@@ -25,6 +25,7 @@ from loopkit.config import Config
 from loopkit.coordinator import add_note
 from loopkit.errors import CheckpointError
 from loopkit.hookspec import hookimpl
+from loopkit.pytree import check_storable
 from loopkit.plugins.checkpoint_helpers import (
     checkpoints_iterator,
     describe_checkpoints,
@@ -262,6 +263,8 @@ class CheckpointPlugin:
 
     @hookimpl(tryfirst=True)  # built-in services start before other plugins'
     def session_create(self, session: Any) -> None:
+        # refused now, naming the leaf, rather than at the first save
+        check_storable(session.state)
         self._open(session)
         secs = self.config.save_model_secs or None
         steps = self.config.save_model_steps or None

@@ -23,7 +23,7 @@ import numpy as np
 
 from loopkit.errors import CheckpointError
 from loopkit.fs import fsync_dir
-from loopkit.pytree import leaf_path
+from loopkit.pytree import is_key, leaf_path
 
 log = logging.getLogger("loopkit")
 
@@ -59,9 +59,12 @@ def leaf_records(state: Any) -> tuple[list[dict], list[Any]]:
     """One JSON-able record per leaf of ``state`` (None leaves included), and the leaves.
 
     A record holds ``path`` (the keys, as strings), ``kind`` (``"array"`` for numpy,
-    ``"jax"``, ``"npscalar"``, ``"py"`` for a Python scalar or string stored inline,
-    ``"none"``), and for arrays ``dtype`` and ``shape``. The leaf list holds, for
-    array kinds, the leaf itself (not yet copied to the host), else None.
+    ``"jax"``, ``"key"`` for a typed PRNG key, ``"npscalar"``, ``"py"`` for a Python
+    scalar or string stored inline, ``"none"``), and for arrays ``dtype`` and
+    ``shape`` of what is stored; a key stores its key data (uint32) and its
+    implementation's name as ``impl``; a weakly-typed jax array has ``weak: true``.
+    The leaf list holds, for array kinds, the array to store (not yet copied to the
+    host), else None.
     """
     flat, _ = jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda x: x is None)
     records, leaves, seen = [], [], {}
@@ -79,8 +82,14 @@ def leaf_records(state: Any) -> tuple[list[dict], list[Any]]:
             records.append({"path": path, "kind": "py", "value": leaf})
             leaves.append(None)
         else:
-            if isinstance(leaf, jax.Array):
+            extra: dict = {}
+            if isinstance(leaf, jax.Array) and is_key(leaf.dtype):
+                kind, extra["impl"] = "key", str(jax.random.key_impl(leaf))
+                leaf = jax.random.key_data(leaf)
+            elif isinstance(leaf, jax.Array):
                 kind = "jax"
+                if getattr(leaf, "weak_type", False):
+                    extra["weak"] = True
             elif isinstance(leaf, np.generic):
                 kind = "npscalar"
             elif isinstance(leaf, np.ndarray):
@@ -93,7 +102,7 @@ def leaf_records(state: Any) -> tuple[list[dict], list[Any]]:
             except TypeError as e:
                 raise TypeError(f"checkpoint leaf {name!r}: {e}") from None
             records.append({"path": path, "kind": kind, "dtype": dtype,
-                            "shape": list(leaf.shape)})
+                            "shape": list(leaf.shape), **extra})
             leaves.append(leaf)
     return records, leaves
 
@@ -127,7 +136,10 @@ def check_records(records: Any, where: str) -> list[dict]:
             dtype_from_name(rec.get("dtype"))
         except TypeError:
             return False
-        return (rec.get("kind") in ("jax", "array", "npscalar") and isinstance(shape, list)
+        if rec.get("kind") == "key" and not isinstance(rec.get("impl"), str):
+            return False
+        return (rec.get("kind") in ("jax", "key", "array", "npscalar")
+                and type(rec.get("weak", False)) is bool and isinstance(shape, list)
                 and all(type(n) is int and n >= 0 for n in shape))
 
     if not (isinstance(records, list) and all(map(ok, records))):
@@ -163,9 +175,15 @@ def placement(like_leaf: Any, shape: tuple[int, ...], dtype: np.dtype) -> tuple[
     A leaf becomes a jax array when ``like`` has a jax array or abstract leaf of
     the same shape there, and jax can hold its dtype as is (not float64 without
     x64: never cast); it takes that leaf's sharding (None: the default device).
-    Anything else comes back as stored, on the host.
+    Anything else comes back as stored, on the host. A typed key in ``like`` places
+    its stored key data (the key's shape and trailing implementation dims).
     """
+    if (isinstance(like_leaf, (jax.Array, jax.ShapeDtypeStruct)) and is_key(like_leaf.dtype)
+            and tuple(like_leaf.shape) == tuple(shape)[:len(like_leaf.shape)]
+            and np.dtype(dtype) == np.uint32):
+        return True, getattr(like_leaf, "sharding", None)
     if (isinstance(like_leaf, (jax.Array, jax.ShapeDtypeStruct))
+            and not is_key(like_leaf.dtype)
             and tuple(like_leaf.shape) == tuple(shape)
             and jax.dtypes.canonicalize_dtype(dtype) == dtype):
         return True, getattr(like_leaf, "sharding", None)
@@ -180,6 +198,30 @@ def host_value(rec: dict, arr: np.ndarray | None) -> Any:
     if kind == "py":
         return rec["value"]
     return arr[()] if kind == "npscalar" else arr
+
+
+def finish(rec: dict, value: Any) -> Any:
+    """A restored leaf as it was saved: a typed key rewrapped, a weak type given back.
+
+    ``value`` is what the backend read and placed (a jax array, or on the host).
+    """
+    if rec["kind"] == "key":
+        return jax.random.wrap_key_data(value, impl=rec["impl"])
+    if rec.get("weak") and isinstance(value, jax.Array) and not getattr(value, "weak_type", True):
+        return _weak(value)
+    return value
+
+
+def _weak(x: jax.Array) -> jax.Array:
+    """``x`` weakly typed (as a Python scalar that went through jit is), placed as ``x``."""
+    if x.ndim == 0 and x.is_fully_addressable:
+        scalar = jax.numpy.asarray(x.item())  # a Python scalar: weak, default dtype
+        if scalar.dtype == x.dtype and scalar.weak_type:
+            return jax.device_put(scalar, x.sharding)
+    # no public API makes a weak array of any dtype and shape
+    from jax._src.lax.lax import _convert_element_type
+
+    return jax.jit(lambda y: _convert_element_type(y, y.dtype, weak_type=True))(x)
 
 
 def put(arr: np.ndarray, sharding: Any) -> jax.Array:

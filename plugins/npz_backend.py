@@ -51,6 +51,7 @@ _PY_TYPES = (bool, int, float, str)
 from loopkit.plugins.leaf_records import (  # noqa: F401 - re-exported
     check_records,
     dtype_from_name,
+    finish,
     host_value,
     leaf_records,
     like_leaves,
@@ -219,7 +220,7 @@ class NpzBackend:
                                                  np.shape(value), np.asarray(value).dtype)
                     if as_jax:
                         value = put(np.asarray(value), sharding)
-                values.append(value)
+                values.append(finish(rec, value))
         metadata = head.get("metadata")
         state = nest(head["leaves"], values)
         return (state if like is None else conform(state, like)), metadata or {}
@@ -238,7 +239,7 @@ class NpzBackend:
             for rec in head["leaves"]:
                 name = "/".join(rec["path"])
                 if name in wanted and rec["kind"] != "none":
-                    out[name] = host_value(rec, self._read(npz, rec, self.path(step)))
+                    out[name] = finish(rec, host_value(rec, self._read(npz, rec, self.path(step))))
         missing = wanted - out.keys()
         if missing:
             raise KeyError(f"checkpoint {self.path(step)} has no leaves {sorted(missing)}")

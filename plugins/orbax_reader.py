@@ -20,7 +20,7 @@ import numpy as np
 
 from loopkit.errors import CheckpointError
 from loopkit.plugins.leaf_records import (
-    check_records, dtype_name, host_value, nest, placement, put, record_struct,
+    check_records, dtype_name, finish, host_value, nest, placement, put, record_struct,
 )
 
 __all__ = ["Head", "OrbaxCheckpoint", "is_orbax_tree", "read_arrays", "read_head"]
@@ -214,10 +214,10 @@ def read_arrays(reader: Any, path: Path, head: Head, records: Sequence[dict],
         elif 0 in struct.shape:  # not in orbax: made here, placed like the others
             empty = np.zeros(struct.shape, struct.dtype)
             as_jax, sharding = placement(like.get("/".join(rec["path"])), struct.shape, struct.dtype)
-            out.append(put(empty, sharding) if as_jax else host_value(rec, empty))
+            out.append(finish(rec, put(empty, sharding) if as_jax else host_value(rec, empty)))
         else:
             value = values["/".join(rec["path"] or ["state"])]
-            out.append(value[()] if rec["kind"] == "npscalar" else value)
+            out.append(finish(rec, value[()] if rec["kind"] == "npscalar" else value))
     return out
 
 
