@@ -165,9 +165,13 @@ class Session:
         """True once a stop was requested (max_steps, a signal, an error, ...)."""
         return self._coord.stopped
 
-    def request_stop(self, ex: BaseException | None = None) -> None:
-        """Stop after the current step; `ex` (first one wins) is re-raised at the end."""
-        self._coord.request_stop(ex)
+    def request_stop(self, ex: BaseException | None = None, *, agreed: bool = False) -> None:
+        """Stop after the current step; `ex` (first one wins) is re-raised at the end.
+
+        `agreed=True`, from a background thread: in a multi-process run every
+        process stops with `ex` at the step of the next agreement instead.
+        """
+        self._coord.request_stop(ex, agreed=agreed)
 
     def every(self, action: Callable[[Session], Any], secs: float | None = None,
               steps: int | None = None, name: str | None = None) -> Timer:

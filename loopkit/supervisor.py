@@ -16,7 +16,7 @@ from loopkit.coordinator import Coordinator, LooperThread, add_note
 from loopkit.data import make_input
 from loopkit.manager import BUILTINS, make_plugin_manager
 from loopkit.pytree import abstract, check_matches, concrete_like, conform
-from loopkit.scheduler import Agreement
+from loopkit.scheduler import agree_across_processes
 from loopkit.session import Session
 
 __all__ = ["Supervisor", "make_config"]
@@ -160,15 +160,6 @@ def _also(ex: BaseException) -> str:
     return f"while stopping, also: {where}{type(ex).__name__}: {ex}"
 
 
-def _allreduce_max(vector: list[int]) -> list[int]:
-    """Element-wise max of `vector` over all processes (one small collective)."""
-    import numpy as np
-    from jax.experimental import multihost_utils
-
-    gathered = multihost_utils.process_allgather(np.asarray(vector, np.int32))
-    return [int(x) for x in np.asarray(gathered).reshape(-1, len(vector)).max(axis=0)]
-
-
 class _ManagedSession:
     def __init__(self, sv: Supervisor, step_fn: Callable[..., Any], init: Any, data: Any) -> None:
         self.sv, self.step_fn, self.init, self.data = sv, step_fn, init, data
@@ -250,10 +241,7 @@ class _ManagedSession:
                 max_steps, lambda: session._coord.request_stop(reason="max_steps")
             )
         if jax.process_count() > 1:
-            session._sched.agree_with(Agreement(
-                _allreduce_max, lambda: session._coord.signal_pending,
-                lambda: session._coord.request_stop(reason="signal"), session._clock,
-            ), session.step)
+            agree_across_processes(session)
         session.stats.start_time = session._clock()
         # Built-in services first, in BUILTINS order (pluggy alone would call the
         # plugins registered after them first), so the summary writer and the

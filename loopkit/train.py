@@ -7,6 +7,7 @@ from typing import Any, Callable, Iterable
 
 from loopkit.config import Config
 from loopkit.coordinator import add_note, has_origin
+from loopkit.data import Lookahead
 from loopkit.session import Session
 from loopkit.supervisor import Supervisor
 
@@ -55,6 +56,11 @@ def _loop(session: Session) -> None:
             run()
         return
     it = session.input.iterator
+    if session._sched.agreement is not None and not coord.stopped:
+        # Many processes: each agreement also checks that every process has a
+        # batch for each step until the next one (the first round runs now).
+        it = ahead = Lookahead(session.input)
+        session._sched.read_ahead(ahead.fill, session, session.step)
     while not coord.stopped:
         try:
             batch = next(it)

@@ -157,7 +157,7 @@ def test_agreement_decides_time_triggers_only_at_agreement_steps():
             signal["pending"] = True
         if step >= sched.next_step or clock() >= sched.next_time:
             sched.run_due(None, step)
-    assert [len(c) for c in calls] == [Agreement.SLOTS + 2] * 3  # at steps 4, 8, 12
+    assert [len(c) for c in calls] == [Agreement.SLOTS + 4] * 3  # at steps 4, 8, 12
     assert fired == [8, 12]  # locally never due (100 s); the other process said so at 8
     assert stopped == [1]  # the signal seen at step 10 was agreed at step 12
 
