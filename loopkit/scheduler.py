@@ -182,7 +182,7 @@ class Agreement:
 
     Input (`supply`, set by `train`'s loop): before each round a process reads
     ahead the batches of the longest next interval (`supply(n)` returns how many
-    of `n` it holds; fewer means its data ends). A shortfall anywhere makes
+    it holds, at least `n` unless its data ends). A shortfall anywhere makes
     every process stop after the last step all of them have a batch for
     (`on_exhausted(step)`), so no process waits alone in a collective.
     """
@@ -219,7 +219,7 @@ class Agreement:
             if now >= t.next_time:
                 slots[zlib.crc32(t.name.encode()) % self.SLOTS] = 1
         longest = min(self.max_interval, self.interval * 2)  # the next interval's bound
-        have = longest if self.supply is None else self.supply(longest)
+        have = longest if self.supply is None else min(longest, self.supply(longest))
         erred = self.error_pending()
         elapsed_ms = int(max(0.0, now - self._last) * 1000)
         agreed = self.allreduce_max(slots + [int(self.signal_pending()),
@@ -234,7 +234,7 @@ class Agreement:
         per_step = max(slowest_ms / 1000.0, 1e-6) / self.interval
         self.interval = int(min(self.max_interval, max(1, min(self.interval * 2,
                                                               self.target_secs / per_step))))
-        if short:
+        if short > 0:
             left = longest - short  # steps every process has a batch for
             self.interval = max(1, min(self.interval, left))
             self.on_exhausted(step + left)

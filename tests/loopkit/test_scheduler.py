@@ -171,3 +171,26 @@ def test_agreement_interval_is_the_same_function_of_agreed_numbers():
     a.decide(10, 1.0, [])
     # 500 ms for 10 steps -> 50 ms/step -> 20 steps per second, capped at doubling
     assert a.interval == 20 and a.next_step == 30
+
+
+def test_agreement_stops_every_process_after_the_last_step_all_have_a_batch_for():
+    from loopkit.scheduler import Agreement
+
+    clock = FakeClock()
+    other_has = {"n": 10**6}  # the other process's batches read ahead
+
+    def allreduce_max(vector):
+        longest = 2 * a.interval
+        short = vector[Agreement.SLOTS + 2]
+        return vector[:Agreement.SLOTS + 2] + [max(short, longest - min(longest, other_has["n"])),
+                                               vector[-1]]
+
+    ends = []
+    a = Agreement(allreduce_max, lambda: False, lambda: None, clock, interval=4,
+                  target_secs=10**9, on_exhausted=ends.append)
+    a.supply = lambda n: n + 5  # this process holds more than asked: never a shortfall
+    a.decide(4, 1.0, [])
+    assert ends == [] and a.interval == 8
+    other_has["n"] = 3  # the other process's data ends 3 batches on
+    a.decide(12, 2.0, [])
+    assert ends == [15] and a.next_step == 15

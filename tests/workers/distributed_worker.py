@@ -79,11 +79,19 @@ def main():
         loss, g = jax.value_and_grad(lambda s: jnp.mean((x @ s["w"] + s["b"] - y) ** 2))(state)
         return jax.tree.map(lambda a, b: a - 0.05 * b, state, g), {"loss": loss}
 
+    def host(state):
+        from jax.experimental import multihost_utils
+
+        return {k: multihost_utils.process_allgather(v, tiled=True)
+                if not v.is_fully_addressable and not v.is_fully_replicated
+                else jax.device_get(v) for k, v in state.items()}
+
     class Pace:
         """Makes this process slower than the others, and says when it is running."""
 
         @loopkit.hookimpl
         def session_create(self, session):
+            np.savez(args.out + ".ready.npz", **host(session.state))  # what it started from
             local = all(x.is_fully_addressable for x in jax.tree.leaves(session.state))
             print(f"READY {session.step} host_local={local}", flush=True)
 
@@ -97,11 +105,7 @@ def main():
                       logdir=args.logdir, max_steps=args.max_steps, plugins=[Pace()],
                       save_model_secs=args.save_secs, save_model_steps=args.save_steps,
                       save_summaries_steps=5, progress=False)
-    from jax.experimental import multihost_utils
-
-    state = {k: multihost_utils.process_allgather(v, tiled=True)
-             if not v.is_fully_addressable and not v.is_fully_replicated else jax.device_get(v)
-             for k, v in r.state.items()}
+    state = host(r.state)
     np.savez(args.out, w=state["w"], b=state["b"], step=r.step)
     print(f"RESULT {r.step} {r.stop_reason}", flush=True)
     if args.num_processes > 1:
