@@ -194,3 +194,22 @@ def test_agreement_stops_every_process_after_the_last_step_all_have_a_batch_for(
     other_has["n"] = 3  # the other process's data ends 3 batches on
     a.decide(12, 2.0, [])
     assert ends == [15] and a.next_step == 15
+
+
+def test_a_background_error_on_one_process_stops_every_process_at_the_agreement():
+    from loopkit.coordinator import Coordinator
+    from loopkit.scheduler import Agreement
+
+    coord = Coordinator()
+    coord.agreed = True
+    err = OSError("disk full")
+    coord.request_stop(err, agreed=True)  # from a commit thread: not a local stop
+    assert not coord.stopped and coord.error_pending is err
+
+    errors = []
+    # process 1 reports its error (1 + 1) in the all-reduce; this process has none
+    a = Agreement(lambda v: v[:Agreement.SLOTS + 1] + [2] + v[Agreement.SLOTS + 2:],
+                  lambda: False, lambda: None, FakeClock(), error_pending=lambda: None,
+                  on_error=errors.append)
+    a.decide(10, 1.0, [])
+    assert errors == [1]
