@@ -14,6 +14,8 @@ from loopkit.coordinator import Coordinator, LooperThread, add_note, has_origin
 from loopkit.scheduler import Scheduler, Timer
 
 if TYPE_CHECKING:
+    import threading
+
     from loopkit.checkpoint import Restored
     from loopkit.config import Config
     from loopkit.data import Input
@@ -202,6 +204,10 @@ class Session:
         self._coord.register_thread(thread)
         thread.start()
         return thread
+
+    def register_thread(self, thread: threading.Thread) -> None:
+        """Join `thread` within `stop_grace_secs` when the session stops (a straggler is named)."""
+        self._coord.register_thread(thread)
 
     def summary_computed(self, values: Mapping[str, Any], step: int | None = None) -> None:
         """Write `values` (tag -> scalar or array) to the event file at `step`.
