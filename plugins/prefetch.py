@@ -14,6 +14,7 @@ its ticket comes up: batches reach the step in the source's order whatever
 
 from __future__ import annotations
 
+import collections
 import copy
 import threading
 import time
@@ -107,7 +108,13 @@ def _nbytes(batch: Any) -> int:
 
 
 class Feed:
-    """The producer threads, the buffer and the recorded source states of one session."""
+    """The producer threads, the buffer and the recorded source states of one session.
+
+    The buffer is a deque: appending and popping need no lock, so a batch costs the
+    loop one `popleft` and the producer one `append`. The condition variable is
+    taken only by a side that must wait (the loop for a batch, a producer for room
+    or for its turn) and by the other side when it sees someone waiting.
+    """
 
     def __init__(self, session: Any, cfg: Config) -> None:
         inp = session.input
@@ -116,12 +123,13 @@ class Feed:
         self.transform, self.sharding = cfg.data_transform, cfg.data_sharding
         self.depth = cfg.prefetch  # deepened for small batches at the first one
         self.small: bool | None = None  # under PLACE_MIN_BYTES; the first batch decides
-        self.cv = threading.Condition()  # guards everything below but `read` and `states`
-        self.ready: list[Any] = []  # placed batches the loop has not taken yet
-        self.put = 0  # batches appended to `ready` so far
-        self.waiting = 0  # threads in cv.wait: only then does the other side notify
+        self.ready: collections.deque[Any] = collections.deque()  # placed, not yet taken
+        self.put = 0  # batches appended to `ready` so far: the ticket whose turn it is
         self.finished = False  # every batch of the source is in `ready`
-        self.read_lock = threading.Lock()  # guards `read`, `states` and the source
+        self.cv = threading.Condition()
+        self.waiting = 0  # threads in cv.wait (the loop, producers waiting for a turn)
+        self.waiting_room = 0  # producers in cv.wait for room in `ready`
+        self.read_lock = threading.Lock()  # the source, `read`, `exhausted`, `states`
         self.read = 0  # batches read from the source so far
         self.exhausted = False
         # the source's state after k batches were read, for k from the loop's step on
@@ -137,25 +145,31 @@ class Feed:
     # -- the loop's side -----------------------------------------------------------
 
     def batches(self) -> Iterator[Any]:
+        ready, pop = self.ready, self.ready.popleft
         while True:
-            group = self._take()
-            if not group:
+            try:
+                batch = pop()
+            except IndexError:
+                if self._wait_for_batch():
+                    continue
                 return
-            yield from group
+            if self.waiting_room and len(ready) <= self.depth // 2:
+                self._notify()
+            yield batch
 
-    def _take(self) -> list[Any]:
-        """Everything ready; waits while nothing is; [] at the end or at a stop."""
-        cv = self.cv
-        with cv:
-            if not self.ready:
-                t0 = time.perf_counter()
-                while not (self.ready or self.finished or self.session.should_stop()):
-                    self._wait()
-                self.session.stats.input_wait_secs += time.perf_counter() - t0
-            group, self.ready = self.ready, []
-            if self.waiting:
-                cv.notify_all()
-        return group
+    def _wait_for_batch(self) -> bool:
+        """Wait until a batch is ready (True), or for the end or a stop (False)."""
+        t0 = time.perf_counter()
+        stop = self.session.should_stop
+        with self.cv:
+            self.waiting += 1
+            try:
+                while not (self.ready or self.finished or stop()):
+                    self.cv.wait(POLL_SECS)
+            finally:
+                self.waiting -= 1
+        self.session.stats.input_wait_secs += time.perf_counter() - t0
+        return bool(self.ready)
 
     def position(self, step: int) -> Any:
         """The source's state after the batch of global step `step` was consumed."""
@@ -164,85 +178,94 @@ class Feed:
     # -- the producers' side ---------------------------------------------------------
 
     def _produce(self) -> None:
+        ready, transform, sharding = self.ready, self.transform, self.sharding
         doing = READING
         try:
             while True:
                 doing = READING
-                ticket, item = self._next()
-                if ticket is None:
-                    return
+                with self.read_lock:  # one reader at a time, in the source's order
+                    if self.exhausted or self.session.should_stop():
+                        return
+                    ticket = self.read
+                    try:
+                        item = next(self.source)
+                    except StopIteration:
+                        self.exhausted = True
+                        item = _END
+                    else:
+                        self.read += 1
+                        if self.stateful:
+                            self._record()
                 if item is not _END:
-                    if self.transform is not None:
+                    if transform is not None:
                         doing = TRANSFORMING
-                        item = self.transform(item)
-                    doing = PLACING if self.sharding is None else SHARDING
-                    item = self._place(item)
-                if not self._append(ticket, item) or item is _END:
+                        item = transform(item)
+                    if self.small is None:
+                        self._first(item)
+                    if sharding is not None:
+                        doing = SHARDING
+                        item = jax.make_array_from_process_local_data(sharding, item)
+                    elif not self.small:
+                        doing = PLACING
+                        item = jax.device_put(item)
+                if self.put != ticket and not self._wait_until(lambda: self.put == ticket):
                     return
+                if item is _END:
+                    self.finished = True
+                    self._notify()
+                    return
+                if len(ready) >= self.depth and not self._wait_for_room():
+                    return
+                ready.append(item)
+                self.put += 1
+                if self.waiting:
+                    self._notify()
         except BaseException as ex:  # noqa: BLE001 - handed to the main thread
             _note(ex, doing)
             self.session.request_stop(ex)
-            with self.cv:
-                self.cv.notify_all()
+            self._notify()
 
-    def _next(self) -> tuple[int | None, Any]:
-        """(ticket, the source's next batch or _END); (None, None) at a stop."""
-        while not self.read_lock.acquire(timeout=POLL_SECS):
-            if self.session.should_stop():
-                return None, None
+    def _first(self, item: Any) -> None:
+        self.small = _nbytes(item) < PLACE_MIN_BYTES
+        if self.small:
+            self.depth = max(self.depth, SMALL_BATCH_DEPTH)
+
+    def _record(self) -> None:
+        self.states[self.read] = self._state()
+        done = self.session.step - self.start_step  # older states are not asked for
+        while self.oldest < done:
+            self.states.pop(self.oldest, None)
+            self.oldest += 1
+
+    def _wait_for_room(self) -> bool:
+        """Wait until the loop has taken half the buffer (True) or a stop (False).
+
+        Half, not one: a producer woken for every batch would cost the loop a
+        thread wake-up per step.
+        """
+        self.waiting_room += 1
         try:
-            if self.exhausted or self.session.should_stop():
-                return None, None
-            ticket = self.read
-            try:
-                item = next(self.source)
-            except StopIteration:
-                self.exhausted = True
-                return ticket, _END
-            self.read += 1
-            if self.stateful:
-                self.states[self.read] = self._state()
-                done = self.session.step - self.start_step  # older states are not asked for
-                while self.oldest < done:
-                    self.states.pop(self.oldest, None)
-                    self.oldest += 1
-            return ticket, item
+            return self._wait_until(lambda: len(self.ready) <= self.depth // 2)
         finally:
-            self.read_lock.release()
+            self.waiting_room -= 1
 
-    def _place(self, item: Any) -> Any:
-        if self.small is None:  # the first batch decides
-            self.small = _nbytes(item) < PLACE_MIN_BYTES
-            if self.small:
-                with self.cv:
-                    self.depth = max(self.depth, SMALL_BATCH_DEPTH)
-        if self.sharding is not None:
-            return jax.make_array_from_process_local_data(self.sharding, item)
-        return item if self.small else jax.device_put(item)
-
-    def _append(self, ticket: int, item: Any) -> bool:
-        """Wait for `ticket`'s turn and for room, then append; False at a stop."""
-        cv = self.cv
-        with cv:
-            while self.put != ticket or len(self.ready) >= self.depth:
-                if self.session.should_stop():
-                    return False
-                self._wait()
-            if item is _END:
-                self.finished = True
-            else:
-                self.ready.append(item)
-                self.put += 1
-            if self.waiting:
-                cv.notify_all()
+    def _wait_until(self, condition: Any) -> bool:
+        """Wait until `condition()` (True) or a stop (False)."""
+        stop = self.session.should_stop
+        with self.cv:
+            self.waiting += 1
+            try:
+                while not condition():
+                    if stop():
+                        return False
+                    self.cv.wait(POLL_SECS)
+            finally:
+                self.waiting -= 1
         return True
 
-    def _wait(self) -> None:
-        self.waiting += 1
-        try:
-            self.cv.wait(POLL_SECS)
-        finally:
-            self.waiting -= 1
+    def _notify(self) -> None:
+        with self.cv:
+            self.cv.notify_all()
 
     def _state(self) -> Any:
         # a copy: an iterator may hand out its live state and change it on next()
