@@ -2,14 +2,16 @@
 
 Producer threads read the source, run `Config.data_transform`, place each batch
 (on the default device, or assembled into global arrays for
-`Config.data_sharding`) and append it to a bounded buffer. The loop takes
-everything ready at once and hands it to the step batch by batch, so it touches
-the lock once per group and pays a generator resume per batch.
+`Config.data_sharding`) and append it to a bounded deque; the loop pops from it.
+Neither side takes a lock per batch: a lock is taken only to wait (the loop for
+a batch, a producer for room, until the loop has taken half the buffer) and to
+wake a waiter.
 
 With several threads, each reads its next batch under a lock, which gives it a
 ticket in the source's order, transforms it outside the lock and appends it when
 its ticket comes up: batches reach the step in the source's order whatever
-`prefetch_threads` is.
+`prefetch_threads` is. `Feed.position` gives the source's state recorded after
+the last batch the step consumed, not the producers' state.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ SMALL_BATCH_DEPTH = 64
 #: How often a waiting thread looks at the stop flag.
 POLL_SECS = 0.05
 
-_END = object()  # the ticket after the source's last batch
+_END = object()  # what a producer "reads" once the source is exhausted
 # what a thread was doing, for the note on its exception
 READING = "reading the data source"
 TRANSFORMING = "running Config.data_transform"
@@ -110,10 +112,11 @@ def _nbytes(batch: Any) -> int:
 class Feed:
     """The producer threads, the buffer and the recorded source states of one session.
 
-    The buffer is a deque: appending and popping need no lock, so a batch costs the
-    loop one `popleft` and the producer one `append`. The condition variable is
-    taken only by a side that must wait (the loop for a batch, a producer for room
-    or for its turn) and by the other side when it sees someone waiting.
+    A batch costs the loop one `popleft` and a producer one `append` (deque
+    operations are atomic). The condition variable is taken only by a side that
+    must wait (the loop for a batch, a producer for room or for its turn) and by
+    the other side when it sees a waiter; each waiter counts itself in before it
+    checks its condition, so a wake-up is never lost.
     """
 
     def __init__(self, session: Any, cfg: Config) -> None:
