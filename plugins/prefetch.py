@@ -20,7 +20,7 @@ import collections
 import copy
 import threading
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import jax
 import numpy as np
@@ -115,8 +115,7 @@ class Feed:
     A batch costs the loop one `popleft` and a producer one `append` (deque
     operations are atomic). The condition variable is taken only by a side that
     must wait (the loop for a batch, a producer for room or for its turn) and by
-    the other side when it sees a waiter; each waiter counts itself in before it
-    checks its condition, so a wake-up is never lost.
+    the other side when it sees the waiter's flag.
     """
 
     def __init__(self, session: Any, cfg: Config) -> None:
@@ -130,8 +129,8 @@ class Feed:
         self.put = 0  # batches appended to `ready` so far: the ticket whose turn it is
         self.finished = False  # every batch of the source is in `ready`
         self.cv = threading.Condition()
-        self.waiting = 0  # threads in cv.wait (the loop, producers waiting for a turn)
-        self.waiting_room = 0  # producers in cv.wait for room in `ready`
+        self.wants_batch = False  # the loop waits for a batch
+        self.wants_room = False  # the producer whose turn it is waits for room
         self.read_lock = threading.Lock()  # the source, `read`, `exhausted`, `states`
         self.read = 0  # batches read from the source so far
         self.exhausted = False
@@ -139,6 +138,7 @@ class Feed:
         self.states: dict[int, Any] = {0: self._state()} if self.stateful else {}
         self.oldest = 0
         n = cfg.prefetch_threads if self.transform is not None else 1
+        self.several = n > 1  # then producers may wait for their turn
         for name in ["reader"] if n == 1 else [f"transform-{i}" for i in range(n)]:
             thread = threading.Thread(target=self._produce, name=f"loopkit-prefetch-{name}",
                                       daemon=True)
@@ -156,21 +156,17 @@ class Feed:
                 if self._wait_for_batch():
                     continue
                 return
-            if self.waiting_room and len(ready) <= self.depth // 2:
+            if self.wants_room and len(ready) <= self.depth // 2:
+                self.wants_room = False
                 self._notify()
             yield batch
 
     def _wait_for_batch(self) -> bool:
         """Wait until a batch is ready (True), or for the end or a stop (False)."""
         t0 = time.perf_counter()
-        stop = self.session.should_stop
-        with self.cv:
-            self.waiting += 1
-            try:
-                while not (self.ready or self.finished or stop()):
-                    self.cv.wait(POLL_SECS)
-            finally:
-                self.waiting -= 1
+        self.wants_batch = True
+        self._wait(lambda: self.ready or self.finished)
+        self.wants_batch = False
         self.session.stats.input_wait_secs += time.perf_counter() - t0
         return bool(self.ready)
 
@@ -211,7 +207,7 @@ class Feed:
                     elif not self.small:
                         doing = PLACING
                         item = jax.device_put(item)
-                if self.put != ticket and not self._wait_until(lambda: self.put == ticket):
+                if self.put != ticket and not self._wait(lambda: self.put == ticket):
                     return
                 if item is _END:
                     self.finished = True
@@ -221,7 +217,8 @@ class Feed:
                     return
                 ready.append(item)
                 self.put += 1
-                if self.waiting:
+                if self.wants_batch or self.several:
+                    self.wants_batch = False
                     self._notify()
         except BaseException as ex:  # noqa: BLE001 - handed to the main thread
             _note(ex, doing)
@@ -246,24 +243,24 @@ class Feed:
         Half, not one: a producer woken for every batch would cost the loop a
         thread wake-up per step.
         """
-        self.waiting_room += 1
+        self.wants_room = True
         try:
-            return self._wait_until(lambda: len(self.ready) <= self.depth // 2)
+            return self._wait(lambda: len(self.ready) <= self.depth // 2)
         finally:
-            self.waiting_room -= 1
+            self.wants_room = False
 
-    def _wait_until(self, condition: Any) -> bool:
-        """Wait until `condition()` (True) or a stop (False)."""
+    def _wait(self, done: Callable[[], Any]) -> bool:
+        """Wait until `done()` (True) or a stop (False).
+
+        The caller raises its flag first and the other side checks the flag after
+        its own change, so one of the two always sees the other: no lost wake-up.
+        """
         stop = self.session.should_stop
         with self.cv:
-            self.waiting += 1
-            try:
-                while not condition():
-                    if stop():
-                        return False
-                    self.cv.wait(POLL_SECS)
-            finally:
-                self.waiting -= 1
+            while not done():
+                if stop():
+                    return False
+                self.cv.wait(POLL_SECS)
         return True
 
     def _notify(self) -> None:

@@ -194,7 +194,7 @@ def test_stop_with_producer_blocked_on_a_full_queue():
 
     def step(state, batch):
         feed = probe.plugin.feed  # hold the first step until the reader waits for room
-        wait_for(lambda: feed.read >= 50 and feed.waiting > 0)
+        wait_for(lambda: feed.read >= 50 and feed.wants_room)
         return state + 1, {}
 
     t0 = time.monotonic()
