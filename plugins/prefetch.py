@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import itertools
 import threading
 import time
 from typing import Any, Callable, Iterator
@@ -44,6 +45,7 @@ SMALL_BATCH_DEPTH = 1024
 #: How often a waiting thread looks at the stop flag.
 POLL_SECS = 0.05
 
+_SEQUENCE_ITERATORS = (type(iter([])), type(iter(())), type(iter(range(0))))
 _END = object()  # what a producer "reads" once the source is exhausted
 # what a thread was doing, for the note on its exception
 READING = "reading the data source"
@@ -64,9 +66,12 @@ class PrefetchPlugin:
         inp = session.input
         if inp is None:  # the Supervisor idiom: the user feeds run(batch)
             return
-        if self.config.prefetch == 0:  # transform / placement only, in the loop's thread
-            inp.iterator = _inline(inp.source, self.config)
+        cfg = self.config
+        if cfg.prefetch == 0:  # transform / placement only, in the loop's thread
+            inp.iterator = _inline(inp.source, cfg)
             return
+        if cfg.data_transform is None and cfg.data_sharding is None and _in_memory(inp):
+            return  # the loop reads it itself
         self.feed = feed = Feed(session, self.config)
         inp.iterator = feed.batches()
         if inp.kind == "stateful":
@@ -77,6 +82,20 @@ def plugin(config: Config) -> PrefetchPlugin | None:
     if config.prefetch == 0 and config.data_transform is None and config.data_sharding is None:
         return None
     return PrefetchPlugin(config)
+
+
+def _in_memory(inp: Any) -> bool:
+    """True for small batches from a list, tuple or range: nothing to do ahead.
+
+    Their `next()` cannot block and costs less than any hand-off from a thread,
+    and the step's own call places a small batch for less than `jax.device_put`.
+    Large batches still go through a thread, to be placed ahead of the step.
+    """
+    if type(inp.source) not in _SEQUENCE_ITERATORS:
+        return False
+    first = list(itertools.islice(inp.source, 1))
+    inp.source = inp.iterator = itertools.chain(first, inp.source)
+    return not first or _nbytes(first[0]) < PLACE_MIN_BYTES
 
 
 def _inline(source: Iterator[Any], cfg: Config) -> Iterator[Any]:
