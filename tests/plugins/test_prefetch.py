@@ -134,6 +134,27 @@ def test_the_source_is_read_in_the_reader_thread():
     assert set(readers) == {"loopkit-prefetch-reader"}
 
 
+def test_small_batches_in_a_list_are_read_by_the_loop():
+    threads = []
+
+    def step(state, batch):
+        threads.append(prefetch_threads())
+        return state + batch, {}
+
+    r = loopkit.train(step, init=0, data=list(range(100)), **QUIET)
+    assert (r.state, r.stop_reason) == (sum(range(100)), "data_exhausted")
+    assert threads == [[]] * 100
+    # with a transform, a list goes through the reader thread like any source
+    readers = []
+
+    def transform(i):
+        readers.append(threading.current_thread().name)
+        return i
+
+    loopkit.train(step, init=0, data=list(range(100)), data_transform=transform, **QUIET)
+    assert set(readers) == {"loopkit-prefetch-reader"}
+
+
 def test_source_turning_slow_keeps_order_and_positions():
     seen, probe = [], Probe(every=7)
     src = Stateful(range(400), delay=1e-3, slow_after=100)
