@@ -12,6 +12,9 @@ ticket in the source's order, transforms it outside the lock and appends it when
 its ticket comes up: batches reach the step in the source's order whatever
 `prefetch_threads` is. `Feed.position` gives the source's state recorded after
 the last batch the step consumed, not the producers' state.
+
+Small batches from a list, tuple or range with nothing to do to them (no
+transform, no `data_sharding`) are left to the loop: see `_in_memory`.
 """
 
 from __future__ import annotations
