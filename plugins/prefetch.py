@@ -202,7 +202,6 @@ class Feed:
 
     def _produce(self) -> None:
         ready, transform, sharding = self.ready, self.transform, self.sharding
-        doing = READING
         try:
             while True:
                 doing = READING
