@@ -64,8 +64,7 @@ class ProfilerPlugin:
         if step >= self.first - 1:
             self._start(session)
         else:
-            # fires at the first multiple of first-1 after `step`: first-1 itself
-            self._timer = session.every(self._start, steps=self.first - 1, name="profiler")
+            self._timer = session.at_step(self.first - 1, self._start, name="profiler")
 
     def _trace(self, session: Session) -> None:
         jax.profiler.start_trace(str(session.logdir))
@@ -92,8 +91,7 @@ class ProfilerPlugin:
         self.started_at = session.step
         log.info("loopkit: profiling steps %d..%d into %s", session.step + 1, self.last,
                  session.logdir)
-        # fires at the first multiple of `last` after the current step: `last`
-        self._timer = session.every(self._stop, steps=self.last, name="profiler")
+        self._timer = session.at_step(self.last, self._stop, name="profiler")
 
     def _stop(self, session: Session, wait: bool = True) -> None:
         self._timer.cancel()
