@@ -24,7 +24,7 @@ from loopkit.fs import atomic_write_bytes
 __all__ = [
     "MARKER", "Mirror", "check_url", "exists", "filesystem", "is_dir", "is_url", "join",
     "list_names", "makedirs", "name_of", "normalise", "parent", "read_bytes", "remove",
-    "size_and_mtime", "write_atomic",
+    "size_and_mtime", "upload_tree", "write_atomic",
 ]
 
 #: the object that commits a tree of objects (a directory checkpoint) on a URL
@@ -236,6 +236,14 @@ def remove(path: Path | str) -> None:
             os.unlink(path)
         except FileNotFoundError:
             pass
+
+
+def upload_tree(local: Path, url: str) -> None:
+    """Copy every file under the local directory `local` to the same names under `url`."""
+    fs, base = filesystem(url)
+    for f in sorted(p for p in Path(local).rglob("*") if p.is_file()):
+        fs.put_file(str(f), f"{base}/{f.relative_to(local).as_posix()}")
+    fs.invalidate_cache(base)
 
 
 class Mirror:

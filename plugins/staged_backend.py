@@ -17,6 +17,7 @@ it there. See docs/storage.md.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import shutil
 import tempfile
@@ -29,6 +30,24 @@ from loopkit.errors import CheckpointError
 __all__ = ["StagedBackend"]
 
 log = logging.getLogger("loopkit")
+
+
+_STAGE = "loopkit-stage-"
+
+
+def _remove_dead_stages() -> None:
+    """Remove staging directories of processes that died (a crash leaves its stage)."""
+    root = Path(tempfile.gettempdir())
+    for d in root.glob(f"{_STAGE}*-*"):
+        pid = d.name[len(_STAGE):].split("-", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(d, ignore_errors=True)
+        except PermissionError:
+            pass  # alive, another user's
 
 
 class StagedBackend:
@@ -44,7 +63,8 @@ class StagedBackend:
                 "every process shares (see docs/storage.md)")
         self.url = url
         self.basename = basename
-        self._stage = Path(tempfile.mkdtemp(prefix="loopkit-stage-"))
+        _remove_dead_stages()
+        self._stage = Path(tempfile.mkdtemp(prefix=f"{_STAGE}{os.getpid()}-"))
         self.local = make_local(self._stage)
         suffix = self.local_name(0)[len(f"{basename}-0"):]
         self._name = re.compile(re.escape(basename) + r"-(0|[1-9][0-9]*)" + re.escape(suffix))
@@ -89,9 +109,7 @@ class StagedBackend:
         try:
             if src.is_dir():
                 storage.remove(dst)  # a partial upload of this step, or the one it replaces
-                files = sorted(p for p in src.rglob("*") if p.is_file())
-                for f in files:
-                    fs.put_file(str(f), f"{base}/{f.relative_to(src).as_posix()}")
+                storage.upload_tree(src, dst)
                 fs.pipe_file(f"{base}/{storage.MARKER}", b"")  # last: commits the upload
             else:
                 fs.put_file(str(src), base)
