@@ -84,7 +84,7 @@ class Config:
         """`logdir` as an absolute `Path`, a URL string (``s3://bucket/run``), or None."""
         from loopkit.storage import normalise
 
-        return None if self.logdir is None else normalise(self.logdir)
+        return None if self.logdir is None else normalise(self.logdir, "Config.logdir")
 
     def replace(self, **changes: Any) -> Config:
         """A copy with `changes` applied (and validated)."""

@@ -54,9 +54,13 @@ def is_url(path: Any) -> bool:
     return scheme_of(path) is not None
 
 
-def normalise(path: str | os.PathLike[str]) -> Path | str:
-    """An absolute `Path` for a local path (``file://`` stripped); a URL without its trailing ``/``."""
+def normalise(path: str | os.PathLike[str], field: str = "path") -> Path | str:
+    """An absolute `Path` for a local path (``file://`` stripped); a URL without its trailing ``/``.
+
+    A URL that cannot be reached fails here, naming `field` (see `check_url`).
+    """
     if is_url(path):
+        check_url(str(path), field)
         return str(path).rstrip("/")
     text = os.fspath(path)
     if isinstance(text, str) and text.lower().startswith("file://"):

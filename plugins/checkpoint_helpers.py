@@ -66,7 +66,7 @@ def latest_checkpoint(logdir: str | os.PathLike[str], *,
     and has no backend extension: `load_checkpoint` accepts it. (It does not
     read the data: a corrupt checkpoint is found out only when loaded.)
     """
-    logdir = storage.normalise(logdir)
+    logdir = storage.normalise(logdir, "logdir")
     base = basename_of(logdir, basename)
     with backends(logdir, base) as group:
         return _latest(logdir, base, group)
@@ -91,7 +91,7 @@ def load_checkpoint(logdir_or_path: str | os.PathLike[str], like: PyTree = None)
     (``state["params"]["w"]``, sequence indices as ``"0"``, ``"1"``...). A path
     holding none of these raises `FileNotFoundError` saying what is there.
     """
-    found = locate(storage.normalise(logdir_or_path))
+    found = locate(storage.normalise(logdir_or_path, "logdir_or_path"))
     try:
         state, _ = found.backend.restore(found.step, place_like(like))
     finally:
@@ -112,7 +112,7 @@ def checkpoints_iterator(logdir: str | os.PathLike[str], min_interval_secs: floa
     seconds without a new checkpoint (None: never). A checkpoint that is
     replaced by a newer one before a poll sees it is skipped.
     """
-    logdir = storage.normalise(logdir)
+    logdir = storage.normalise(logdir, "logdir")
     base = basename_of(logdir, None)
     with backends(logdir, base) as group:
         yield from _follow(logdir, base, group, min_interval_secs, timeout, poll_secs)
@@ -165,7 +165,7 @@ def describe_checkpoints(logdir: str | os.PathLike[str], *,
     the `checkpoint` file's list (kept by ``keep_checkpoint_every_n_hours``, or
     left behind by a restart from an older checkpoint) is marked ``(unlisted)``.
     """
-    logdir = storage.normalise(logdir)
+    logdir = storage.normalise(logdir, "logdir")
     if not storage.is_dir(logdir):
         raise FileNotFoundError(f"{logdir} does not exist" if not storage.exists(logdir)
                                 else f"{logdir} is not a directory")

@@ -53,7 +53,7 @@ def _resolve(logdir_or_path: str | os.PathLike[str]) -> tuple[Any, int, str]:
     """(backend, step, path) for a logdir (its latest checkpoint) or a checkpoint path."""
     from loopkit.plugins.checkpoint_locate import locate
 
-    found = locate(storage.normalise(logdir_or_path))
+    found = locate(storage.normalise(logdir_or_path, "logdir_or_path"))
     return found.backend, found.step, found.where
 
 
