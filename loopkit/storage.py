@@ -23,7 +23,7 @@ from loopkit.fs import atomic_write_bytes
 
 __all__ = [
     "MARKER", "Mirror", "check_url", "exists", "filesystem", "is_dir", "is_url", "join",
-    "list_names", "makedirs", "name_of", "normalise", "parent", "read_bytes", "remove",
+    "list_names", "makedirs", "name_of", "normalise", "parent", "read_bytes", "refuse_url", "remove",
     "size_and_mtime", "upload_tree", "write_atomic",
 ]
 
@@ -100,6 +100,15 @@ def check_url(url: str, field: str = "path") -> None:
     except ImportError as e:
         raise ImportError(f"{field}={url!r} needs the fsspec filesystem for {scheme}://: "
                           f"{e}") from e
+
+
+def refuse_url(directory: Any, who: str) -> None:
+    """Fail clearly when a backend that writes local files is handed a URL."""
+    if is_url(directory):
+        raise ValueError(
+            f"{who} writes local files and was given the URL {directory!r}: build it through "
+            "loopkit.plugins.staged_backend.local_or_staged(directory, basename, make), which "
+            "stages it locally and uploads (docs/storage.md)")
 
 
 def filesystem(url: str) -> tuple[Any, str]:

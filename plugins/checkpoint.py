@@ -100,11 +100,10 @@ class CheckpointPlugin:
             from loopkit.plugins.npz_backend import NpzBackend as make
         else:
             return None
-        if storage.is_url(directory):  # staged on local disk, uploaded when committed
-            from loopkit.plugins.staged_backend import StagedBackend
+        from loopkit.plugins.staged_backend import local_or_staged
 
-            return StagedBackend(str(directory), basename, lambda d: make(d, basename, config))
-        return make(directory, basename, config)
+        # under a URL: staged on local disk, uploaded when committed
+        return local_or_staged(directory, basename, lambda d: make(d, basename, config))
 
     def _open(self, session: Any) -> CheckpointBackend:
         """Build the session's one backend (restore_state runs first, so usually there)."""

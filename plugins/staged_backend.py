@@ -27,12 +27,23 @@ from typing import Any, Callable, Sequence
 from loopkit import storage
 from loopkit.errors import CheckpointError
 
-__all__ = ["StagedBackend"]
+__all__ = ["StagedBackend", "local_or_staged"]
 
 log = logging.getLogger("loopkit")
 
 
 _STAGE = "loopkit-stage-"
+
+
+def local_or_staged(directory: Path | str, basename: str, make: Callable[[Path | str], Any]) -> Any:
+    """``make(directory)`` for a local directory; under a URL, `StagedBackend` over ``make``.
+
+    What a plugin's `checkpoint_backend` hook returns for a backend that writes local
+    files, so that it works under ``s3://`` and ``gs://`` logdirs too.
+    """
+    if storage.is_url(directory):
+        return StagedBackend(str(directory), basename, make)
+    return make(directory)
 
 
 def _remove_dead_stages() -> None:

@@ -118,3 +118,18 @@ def test_the_staged_backend_lists_only_committed_directories():
         backend.close()
     assert not Path(stage).exists()
     storage.remove(url)
+
+
+def test_a_local_file_backend_handed_a_url_says_how_to_stage_it():
+    from loopkit.plugins.npz_backend import NpzBackend
+    from loopkit.plugins.staged_backend import StagedBackend, local_or_staged
+
+    with pytest.raises(ValueError, match=r"NpzBackend writes local files and was given the URL "
+                                         r"'memory://x/run'.*local_or_staged"):
+        NpzBackend("memory://x/run")
+    staged = local_or_staged("memory://x/run", "model.ckpt", lambda d: NpzBackend(d))
+    try:
+        assert isinstance(staged, StagedBackend)
+        assert staged.path(7) == "memory://x/run/model.ckpt-7.npz"
+    finally:
+        staged.close()
