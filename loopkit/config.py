@@ -15,86 +15,6 @@ __all__ = ["Config"]
 PyTree = Any
 
 
-@dataclasses.dataclass(frozen=True)
-class Config:
-    """Everything a run can be told, with `tf.train.Supervisor`'s defaults.
-
-    Validated on construction: a bad value raises `ValueError` naming the field,
-    the value and what is allowed.
-
-    >>> Config(logdir="runs/a", save_model_secs=30).save_model_secs
-    30
-    """
-
-    logdir: str | os.PathLike[str] | None = None
-    is_chief: bool | None = None
-    save_model_secs: float | None = 600
-    save_model_steps: int | None = None
-    save_summaries_secs: float | None = 120
-    save_summaries_steps: int | None = None
-    checkpoint_basename: str = "model.ckpt"
-    checkpoint_backend: Any = "orbax"
-    max_to_keep: int | None = 5
-    keep_checkpoint_every_n_hours: float | None = None
-    init_fn: Callable[[PyTree], PyTree] | None = None
-    local_init_fn: Callable[[Any], None] | None = None
-    summary_fn: Callable[[PyTree], dict] | None = None
-    max_steps: int | None = None
-    recovery_wait_secs: float = 30
-    stop_grace_secs: float = 120
-    prefetch: int = 2
-    prefetch_threads: int = 1
-    data_transform: Callable[[Any], Any] | None = None
-    data_sharding: jax.sharding.Sharding | None = None
-    jit: bool = True
-    donate: bool = True
-    progress: bool = True
-    nan_guard: str | None = None
-    profile_steps: tuple[int, int] | None = None
-    profile_every_secs: float | None = None
-    profile_min_secs: float = 3
-    profile_min_steps: int = 5
-    disable: tuple[str, ...] = ()
-    autoload: bool = True
-    summary_metrics: tuple[str, ...] | None = None
-    summary_reduce: str = "last"
-    hparams: Mapping[str, bool | int | float | str] | None = None
-    progress_secs: float = 10
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            check = _CHECKS.get(f.name)
-            if check is not None:
-                value = getattr(self, f.name)
-                allowed = check(value)
-                if allowed is not None:
-                    raise ValueError(
-                        f"Config.{f.name}={value!r} is not allowed: expected {allowed}"
-                    )
-        if self.disable is not None and not isinstance(self.disable, tuple):
-            object.__setattr__(self, "disable", tuple(self.disable))
-        metrics = self.summary_metrics
-        if isinstance(metrics, str):
-            object.__setattr__(self, "summary_metrics", (metrics,))
-        elif metrics is not None and not isinstance(metrics, tuple):
-            object.__setattr__(self, "summary_metrics", tuple(metrics))
-
-    @property
-    def logdir_path(self) -> Path | str | None:
-        """`logdir` as an absolute `Path`, a URL string (``s3://bucket/run``), or None."""
-        from loopkit.storage import normalise
-
-        return None if self.logdir is None else normalise(self.logdir, "Config.logdir")
-
-    def replace(self, **changes: Any) -> Config:
-        """A copy with `changes` applied (and validated)."""
-        return dataclasses.replace(self, **changes)
-
-    @classmethod
-    def field_names(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in dataclasses.fields(cls))
-
-
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -237,39 +157,83 @@ def _sharding(v: Any) -> str | None:
     return None if isinstance(v, jax.sharding.Sharding) else "a jax.sharding.Sharding or None"
 
 
-_CHECKS = {
-    "logdir": _logdir,
-    "is_chief": _optional_bool,
-    "save_model_secs": _secs(True),
-    "save_model_steps": _count(0, True),
-    "save_summaries_secs": _secs(True),
-    "save_summaries_steps": _count(0, True),
-    "checkpoint_basename": _basename,
-    "checkpoint_backend": _backend,
-    "max_to_keep": _count(0, True),
-    "keep_checkpoint_every_n_hours": _hours,
-    "init_fn": _optional_callable,
-    "local_init_fn": _optional_callable,
-    "summary_fn": _optional_callable,
-    "max_steps": _count(0, True),
-    "recovery_wait_secs": _secs(False),
-    "stop_grace_secs": _secs(False),
-    "prefetch": _count(0, False),
-    "prefetch_threads": _count(1, False),
-    "data_transform": _optional_callable,
-    "data_sharding": _sharding,
-    "jit": _bool,
-    "donate": _bool,
-    "progress": _bool,
-    "nan_guard": _metric_name,
-    "profile_steps": _profile_steps,
-    "profile_every_secs": _positive_secs(True),
-    "profile_min_secs": _secs(False),
-    "profile_min_steps": _count(1, False),
-    "disable": _disable,
-    "autoload": _bool,
-    "summary_metrics": _patterns,
-    "summary_reduce": _reduce,
-    "hparams": _hparams,
-    "progress_secs": _positive_secs(False),
-}
+def _field(default: Any, check: Callable[[Any], str | None]) -> Any:
+    """A Config field with its check beside it: `check(value)` says what is allowed,
+    or returns None when `value` is fine."""
+    return dataclasses.field(default=default, metadata={"check": check})
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Everything a run can be told, with `tf.train.Supervisor`'s defaults.
+
+    Validated on construction: a bad value raises `ValueError` naming the field,
+    the value and what is allowed.
+
+    >>> Config(logdir="runs/a", save_model_secs=30).save_model_secs
+    30
+    """
+
+    logdir: str | os.PathLike[str] | None = _field(None, _logdir)
+    is_chief: bool | None = _field(None, _optional_bool)
+    save_model_secs: float | None = _field(600, _secs(True))
+    save_model_steps: int | None = _field(None, _count(0, True))
+    save_summaries_secs: float | None = _field(120, _secs(True))
+    save_summaries_steps: int | None = _field(None, _count(0, True))
+    checkpoint_basename: str = _field("model.ckpt", _basename)
+    checkpoint_backend: Any = _field("orbax", _backend)
+    max_to_keep: int | None = _field(5, _count(0, True))
+    keep_checkpoint_every_n_hours: float | None = _field(None, _hours)
+    init_fn: Callable[[PyTree], PyTree] | None = _field(None, _optional_callable)
+    local_init_fn: Callable[[Any], None] | None = _field(None, _optional_callable)
+    summary_fn: Callable[[PyTree], dict] | None = _field(None, _optional_callable)
+    max_steps: int | None = _field(None, _count(0, True))
+    recovery_wait_secs: float = _field(30, _secs(False))
+    stop_grace_secs: float = _field(120, _secs(False))
+    prefetch: int = _field(2, _count(0, False))
+    prefetch_threads: int = _field(1, _count(1, False))
+    data_transform: Callable[[Any], Any] | None = _field(None, _optional_callable)
+    data_sharding: jax.sharding.Sharding | None = _field(None, _sharding)
+    jit: bool = _field(True, _bool)
+    donate: bool = _field(True, _bool)
+    progress: bool = _field(True, _bool)
+    nan_guard: str | None = _field(None, _metric_name)
+    profile_steps: tuple[int, int] | None = _field(None, _profile_steps)
+    profile_every_secs: float | None = _field(None, _positive_secs(True))
+    profile_min_secs: float = _field(3, _secs(False))
+    profile_min_steps: int = _field(5, _count(1, False))
+    disable: tuple[str, ...] = _field((), _disable)
+    autoload: bool = _field(True, _bool)
+    summary_metrics: tuple[str, ...] | None = _field(None, _patterns)
+    summary_reduce: str = _field("last", _reduce)
+    hparams: Mapping[str, bool | int | float | str] | None = _field(None, _hparams)
+    progress_secs: float = _field(10, _positive_secs(False))
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            allowed = f.metadata["check"](value)
+            if allowed is not None:
+                raise ValueError(f"Config.{f.name}={value!r} is not allowed: expected {allowed}")
+        if self.disable is not None and not isinstance(self.disable, tuple):
+            object.__setattr__(self, "disable", tuple(self.disable))
+        metrics = self.summary_metrics
+        if isinstance(metrics, str):
+            object.__setattr__(self, "summary_metrics", (metrics,))
+        elif metrics is not None and not isinstance(metrics, tuple):
+            object.__setattr__(self, "summary_metrics", tuple(metrics))
+
+    @property
+    def logdir_path(self) -> Path | str | None:
+        """`logdir` as an absolute `Path`, a URL string (``s3://bucket/run``), or None."""
+        from loopkit.storage import normalise
+
+        return None if self.logdir is None else normalise(self.logdir, "Config.logdir")
+
+    def replace(self, **changes: Any) -> Config:
+        """A copy with `changes` applied (and validated)."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))

@@ -43,6 +43,10 @@ class Coordinator:
         self.reason: str | None = None
         #: a stop signal waiting for the processes to agree (multi-process runs)
         self.signal_pending = False
+        #: multi-process runs: stops wait for the processes' agreement (set by the Supervisor)
+        self.agreed = False
+        #: a background thread's error waiting for that agreement
+        self.error_pending: BaseException | None = None
         self.exception: BaseException | None = None
         self._event = threading.Event()
         self._lock = threading.Lock()
@@ -52,9 +56,19 @@ class Coordinator:
         """True once a stop was requested."""
         return self.stopped
 
-    def request_stop(self, ex: BaseException | None = None, reason: str = "requested") -> None:
-        """Ask every thread to stop. The first exception (or reason) is kept."""
+    def request_stop(self, ex: BaseException | None = None, reason: str = "requested",
+                     agreed: bool = False) -> None:
+        """Ask every thread to stop. The first exception (or reason) is kept.
+
+        `agreed=True` is for a background thread's error: in a multi-process run
+        it waits for the processes' next agreement, where all stop at one step
+        (a process stopping alone would leave the others in a collective).
+        """
         with self._lock:
+            if agreed and self.agreed and ex is not None:
+                if self.error_pending is None:
+                    self.error_pending = ex
+                return
             if isinstance(ex, StopIteration):
                 reason = "data_exhausted"
             elif ex is not None:

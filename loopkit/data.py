@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import collections
+import copy
 import logging
 from typing import Any, Callable, Iterator
 
-__all__ = ["Input", "make_input"]
+__all__ = ["Input", "Lookahead", "make_input"]
 
 log = logging.getLogger("loopkit")
 
@@ -46,6 +48,56 @@ class Input:
 
     def close(self) -> None:
         pass
+
+
+class Lookahead:
+    """The loop's batches in a multi-process run, read ahead up to the next agreement.
+
+    `fill(n)` (the agreement's `supply`) reads until `n` batches wait here or the
+    data ends, and returns how many wait: every process then knows, at the
+    agreement, whether each of them has a batch for every step until the next
+    one. When the position comes from the source itself (no prefetch plugin),
+    the source's state is recorded with each batch read ahead.
+    """
+
+    def __init__(self, inp: Input) -> None:
+        self._it = inp.iterator
+        self._buf: collections.deque[Any] = collections.deque()
+        self._ended = False
+        self._source = None
+        if inp.kind == "stateful" and getattr(inp.position, "__self__", None) is inp:
+            self._source = inp.source
+            self._last = copy.deepcopy(inp.source.get_state())
+            inp.position = self.position
+
+    def __iter__(self) -> Lookahead:
+        return self
+
+    def __next__(self) -> Any:
+        if not self._buf:
+            self.fill(1)
+            if not self._buf:
+                raise StopIteration
+        if self._source is None:
+            return self._buf.popleft()
+        batch, self._last = self._buf.popleft()
+        return batch
+
+    def fill(self, n: int) -> int:
+        buf, it, source = self._buf, self._it, self._source
+        while len(buf) < n and not self._ended:
+            try:
+                batch = next(it)
+            except StopIteration:
+                self._ended = True
+                break
+            # a copy: an iterator may hand out its live state and change it on next()
+            buf.append(batch if source is None else (batch, copy.deepcopy(source.get_state())))
+        return len(buf)
+
+    def position(self, step: int) -> Any:
+        """The source's state after the last batch the loop took."""
+        return self._last
 
 
 def make_input(data: Any, start_step: int, position: Any, restored: bool,

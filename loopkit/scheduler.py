@@ -12,7 +12,7 @@ import time
 import zlib
 from typing import Any, Callable
 
-__all__ = ["Agreement", "Scheduler", "Timer"]
+__all__ = ["Agreement", "Scheduler", "Timer", "agree_across_processes"]
 
 NEVER = math.inf
 
@@ -109,6 +109,24 @@ class Scheduler:
         self.on_stop_step = callback
         self._recompute()
 
+    def stop_by(self, step: int, callback: Callable[[], None]) -> None:
+        """Stop at `step` if that comes before the stop already set (data that runs out)."""
+        if step < self.stop_step:
+            self.set_stop_step(step, callback)
+
+    @property
+    def agreement(self) -> Agreement | None:
+        """The multi-process `Agreement`, or None in a single process."""
+        return self._agreement
+
+    def read_ahead(self, supply: Callable[[int], int], session: Any, step: int) -> None:
+        """Give the agreement the input's `supply` and hold a first round at `step`."""
+        assert self._agreement is not None
+        self._agreement.supply = supply
+        self._agreement.next_step = step
+        self._recompute()
+        self.run_due(session, step)
+
     def agree_with(self, agreement: Agreement, step: int) -> None:
         """Decide time triggers collectively (many processes), every few steps.
 
@@ -145,6 +163,9 @@ class Scheduler:
             time_due = [now >= t.next_time for t in timers]
         elif step >= self._agreement.next_step:
             time_due = self._agreement.decide(step, now, timers)
+            if step >= self.stop_step:  # the agreement stops the run at this very step
+                self.run_due(session, step)
+                return
         else:
             time_due = [False] * len(timers)
         for timer, due in zip(timers, time_due):
@@ -169,47 +190,124 @@ class Agreement:
 
     `allreduce_max(vector) -> vector` is a collective over all processes (the
     session passes one built on `jax.experimental.multihost_utils`). The vector
-    holds one flag per timer (time trigger due), the stop-signal flag, and the
-    milliseconds since the last agreement, so every process computes the same
-    next interval from the same numbers: about `target_secs` apart.
+    holds one flag per timer (time trigger due), the stop-signal flag, which
+    process (plus one) has an error waiting to stop the run, how many of the
+    next steps some process has no batch for, and the milliseconds since the
+    last agreement, so every process computes the same next interval from the
+    same numbers: about `target_secs` apart.
+
+    Input (`supply`, set by `train`'s loop): before each round a process reads
+    ahead the batches of the longest next interval (`supply(n)` returns how many
+    it holds, at least `n` unless its data ends). A shortfall anywhere makes
+    every process stop after the last step all of them have a batch for
+    (`on_exhausted(step)`), so no process waits alone in a collective.
     """
 
     def __init__(self, allreduce_max: Callable[[list[int]], list[int]],
                  signal_pending: Callable[[], bool], on_signal: Callable[[], None],
                  clock: Callable[[], float], interval: int = 10, target_secs: float = 0.5,
-                 max_interval: int = 1000) -> None:
+                 max_interval: int = 1000, *,
+                 error_pending: Callable[[], int | None] = lambda: None,
+                 on_error: Callable[[int], None] = lambda process: None,
+                 on_exhausted: Callable[[int], None] = lambda step: None) -> None:
         self.allreduce_max = allreduce_max
         self.signal_pending = signal_pending
         self.on_signal = on_signal
+        self.error_pending = error_pending
+        self.on_error = on_error
+        self.on_exhausted = on_exhausted
+        self.supply: Callable[[int], int] | None = None
         self.clock = clock
         self.interval = interval
         self.target_secs = target_secs
         self.max_interval = max_interval
         self.next_step: float = NEVER
         self._last = clock()
-        self.rounds = 0
 
     SLOTS = 64
+
+    def _slot(self, timers: list[Timer], timer: Timer) -> int:
+        """The vote slot of `timer`: a stable hash of its name, the same on every process.
+
+        Two names that share a slot would fire together unnoticed: refused, naming both.
+        """
+        slot = zlib.crc32(timer.name.encode()) % self.SLOTS
+        for other in timers:
+            if (other.secs and other.name != timer.name
+                    and zlib.crc32(other.name.encode()) % self.SLOTS == slot):
+                raise ValueError(
+                    f"timers {timer.name!r} and {other.name!r} share agreement slot {slot} "
+                    "in a multi-process run: rename one (session.every(..., name=...))"
+                )
+        return slot
 
     def decide(self, step: int, now: float, timers: list[Timer]) -> list[bool]:
         # Processes may register different timers (a chief-only service): a timer's
         # vote goes to a slot named by a stable hash of its name, not its position.
         slots = [0] * self.SLOTS
-        for t in timers:
+        timed = [t for t in timers if t.secs]
+        where = {id(t): self._slot(timed, t) for t in timed}
+        for t in timed:
             if now >= t.next_time:
-                slots[zlib.crc32(t.name.encode()) % self.SLOTS] = 1
+                slots[where[id(t)]] = 1
+        longest = min(self.max_interval, self.interval * 2)  # the next interval's bound
+        have = longest if self.supply is None else min(longest, self.supply(longest))
+        erred = self.error_pending()
         elapsed_ms = int(max(0.0, now - self._last) * 1000)
-        agreed = self.allreduce_max(slots + [int(self.signal_pending()), elapsed_ms])
-        self.rounds += 1
+        agreed = self.allreduce_max(slots + [int(self.signal_pending()),
+                                             0 if erred is None else erred + 1,
+                                             longest - have, elapsed_ms])
         self._last = now
         n = self.SLOTS
-        signal, slowest_ms = bool(agreed[n]), agreed[n + 1]
-        due = [bool(t.secs) and bool(agreed[zlib.crc32(t.name.encode()) % n]) for t in timers]
+        signal, erred_process, short, slowest_ms = agreed[n:n + 4]
+        due = [id(t) in where and bool(agreed[where[id(t)]]) for t in timers]
         # same inputs on every process -> same next interval everywhere
         per_step = max(slowest_ms / 1000.0, 1e-6) / self.interval
         self.interval = int(min(self.max_interval, max(1, min(self.interval * 2,
                                                               self.target_secs / per_step))))
+        if short > 0:
+            left = longest - short  # steps every process has a batch for
+            self.interval = max(1, min(self.interval, left))
+            self.on_exhausted(step + left)
         self.next_step = step + self.interval
+        if erred_process:
+            self.on_error(erred_process - 1)
         if signal:
             self.on_signal()
         return due
+
+
+def _allreduce_max(vector: list[int]) -> list[int]:
+    """Element-wise max of `vector` over all processes (one small collective)."""
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    gathered = multihost_utils.process_allgather(np.asarray(vector, np.int32))
+    return [int(x) for x in np.asarray(gathered).reshape(-1, len(vector)).max(axis=0)]
+
+
+def agree_across_processes(session: Any, coord: Any, sched: Scheduler,
+                           clock: Callable[[], float]) -> None:
+    """Many processes: time triggers, signals, background errors and the end of the
+    data are decided together (`Agreement`), so every process stops at one step."""
+    import jax
+
+    coord.agreed = True
+
+    def on_error(process: int) -> None:
+        ex = coord.error_pending
+        if ex is None:
+            ex = RuntimeError(f"process {process} failed in a background thread (its own "
+                              f"output has the error); every process stops at step "
+                              f"{session.step}")
+        coord.request_stop(ex)
+        sched.stop_by(session.step, lambda: None)
+
+    sched.agree_with(Agreement(
+        _allreduce_max, lambda: coord.signal_pending,
+        lambda: coord.request_stop(reason="signal"), clock,
+        error_pending=lambda: jax.process_index() if coord.error_pending is not None else None,
+        on_error=on_error,
+        on_exhausted=lambda at: sched.stop_by(
+            at, lambda: coord.request_stop(reason="data_exhausted")),
+    ), session.step)

@@ -11,15 +11,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 import jax
 import numpy as np
 
 from loopkit.coordinator import Coordinator, LooperThread, SignalHandlers, add_note, has_origin
-from loopkit.data import make_input
+from loopkit.data import Lookahead, make_input
 from loopkit.pytree import abstract, check_matches, conform, trace_init
-from loopkit.scheduler import Agreement, Scheduler, Timer
+from loopkit.scheduler import Scheduler, Timer, agree_across_processes
 from loopkit.stash import Stash, StashKey
 from loopkit.step import CompiledStep
 from loopkit.writer import write_values
@@ -170,9 +170,24 @@ class Session:
         """True once a stop was requested (max_steps, a signal, an error, ...)."""
         return self.coord.stopped
 
-    def request_stop(self, ex: BaseException | None = None) -> None:
-        """Stop after the current step; `ex` (first one wins) is re-raised at the end."""
-        self.coord.request_stop(ex)
+    def request_stop(self, ex: BaseException | None = None, *, agreed: bool = False) -> None:
+        """Stop after the current step; `ex` (first one wins) is re-raised at the end.
+
+        `agreed=True`, from a background thread: in a multi-process run every
+        process stops with `ex` at the step of the next agreement instead.
+        """
+        self.coord.request_stop(ex, agreed=agreed)
+
+    def batches(self) -> Iterator[Any]:
+        """The iterator `train`'s loop reads: `input.iterator`, read ahead in a
+        multi-process run so that every process stops after the last step all of
+        them have a batch for (the first agreement round runs now)."""
+        assert self.input is not None
+        it = self.input.iterator
+        if self._sched.agreement is not None and not self.coord.stopped:
+            it = ahead = Lookahead(self.input)
+            self._sched.read_ahead(ahead.fill, self, self.step)
+        return it
 
     def every(self, action: Callable[[Session], Any], secs: float | None = None,
               steps: int | None = None, name: str | None = None) -> Timer:
@@ -308,10 +323,7 @@ class Session:
                 coord.request_stop(reason="max_steps")
             self._sched.set_stop_step(max_steps, lambda: coord.request_stop(reason="max_steps"))
         if jax.process_count() > 1:
-            self._sched.agree_with(Agreement(
-                _allreduce_max, lambda: coord.signal_pending,
-                lambda: coord.request_stop(reason="signal"), self._clock,
-            ), self.step)
+            agree_across_processes(self, coord, self._sched, self._clock)
 
     # -- closing ---------------------------------------------------------------------
 
@@ -380,11 +392,3 @@ def _also(ex: BaseException) -> str:
     plugin = getattr(ex, "_loopkit_plugin", None)
     where = f"on_stop of plugin {plugin!r} raised " if plugin else ""
     return f"while stopping, also: {where}{type(ex).__name__}: {ex}"
-
-
-def _allreduce_max(vector: list[int]) -> list[int]:
-    """Element-wise max of `vector` over all processes (one small collective)."""
-    from jax.experimental import multihost_utils
-
-    gathered = multihost_utils.process_allgather(np.asarray(vector, np.int32))
-    return [int(x) for x in np.asarray(gathered).reshape(-1, len(vector)).max(axis=0)]

@@ -54,7 +54,7 @@ def _loop(session: Session) -> None:
         while not coord.stopped:
             run()
         return
-    it = session.input.iterator
+    it = session.batches()
     while not coord.stopped:
         try:
             batch = next(it)

@@ -34,6 +34,7 @@ from loopkit.plugins.checkpoint_helpers import (
     load_checkpoint,
     place_like,
 )
+from loopkit.plugins.checkpoint_replicas import agree_to_save, host_copies
 from loopkit.plugins.checkpoint_state import (
     CheckpointState,
     decode_position,
@@ -276,10 +277,18 @@ class CheckpointPlugin:
     def _save(self, session: Any) -> None:
         """Start saving the current state (the timer action, and the final save)."""
         t0 = time.perf_counter()
-        self._finish_commit(session)
+        step, state = session.step, session.state
+        if jax.process_count() > 1:
+            # every process saves at this step: agree that all may, and on the replicas
+            self._join_commit(session)
+            state, names, prints = host_copies(state)
+            agree_to_save(self._path(step), names, prints, self._commit_error or (
+                CheckpointError(f"a checkpoint save in {self._logdir} never committed")
+                if self._abandoned else None))
+        else:
+            self._finish_commit(session)
         backend = self.backend
         assert backend is not None
-        step = session.step
         if step in self._on_disk:
             self._make_room(session, step)
         metadata = {
@@ -289,7 +298,7 @@ class CheckpointPlugin:
             ),
             "timestamp": time.time(),
         }
-        backend.save(step, session.state, metadata)
+        backend.save(step, state, metadata)
         self._last_save_step = step
         # The backend may still read these buffers: the next step must not donate them.
         session.skip_donation_once()
@@ -324,8 +333,8 @@ class CheckpointPlugin:
                          f"{self._path(step)}")
             self._commit_error = ex
             with self._lock:
-                if not self._stopping:
-                    session.request_stop(ex)
+                if not self._stopping:  # many processes: all stop at the next agreement
+                    session.request_stop(ex, agreed=True)
 
     def _publish(self, step: int, timestamp: float) -> None:
         """Name the committed `step` in the `checkpoint` file, then apply retention."""
@@ -397,7 +406,10 @@ class CheckpointPlugin:
             self._stopping = True  # from now on a commit error is raised here, not sent
         try:
             self._join_commit()
-            if (error is None and self._commit_error is None and not self._abandoned
+            # Many processes: a failed commit is agreed inside `_save`, by all of them.
+            clean = jax.process_count() > 1 or (self._commit_error is None
+                                                and not self._abandoned)
+            if (error is None and clean
                     and session.state is not None
                     and self._last_save_step != session.step
                     and not self._is_restored_state(session)):

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 __all__ = ["TAG", "StepCounterPlugin", "plugin"]
 
-INACTIVE = "needs Config.logdir and the 'summaries' plugin"
+INACTIVE = "needs Config.logdir"
 
 TAG = "global_step/sec"
 
@@ -67,6 +67,6 @@ class StepCounterPlugin:
 
 
 def plugin(config: Config) -> StepCounterPlugin | None:
-    if config.logdir is None or "summaries" in config.disable:
+    if config.logdir is None:
         return None
     return StepCounterPlugin(config)

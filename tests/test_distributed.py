@@ -23,9 +23,10 @@ def free_port():
         return s.getsockname()[1]
 
 
-def start(logdir, out, n, steps, *extra, sleeps=None):
+def start(logdir, out, n, steps, *extra, sleeps=None, devices=1):
     port = free_port()
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
     procs = []
     for i in range(n):
         args = [sys.executable, str(WORKER), str(logdir), str(out / f"p{i}.npz"), str(n), str(i),
@@ -49,7 +50,7 @@ def _read(proc):
     return texts
 
 
-def finish(procs):
+def finish(procs, ok=True):
     outs = []
     try:
         deadline = time.monotonic() + TIMEOUT
@@ -64,7 +65,7 @@ def finish(procs):
         out, err = _read(p)
         outs.append((p.returncode, out, err))
     for code, out, err in outs:
-        assert code == 0, f"exit {code}\n{out}\n{err[-3000:]}"
+        assert (code == 0) == ok, f"exit {code}\n{out}\n{err[-3000:]}"
     return outs
 
 
@@ -172,3 +173,70 @@ def test_a_lagging_view_waits_for_the_chiefs_checkpoint(tmp_path):
     assert time.monotonic() - started >= 0.4
     assert 5 in plugin._on_disk
     timer.join()
+
+
+def test_host_local_replicas_are_saved_once_and_resume_bitwise(tmp_path):
+    import loopkit
+
+    full, half = tmp_path / "full", tmp_path / "half"
+    for d in (full, half):
+        d.mkdir()
+    finish(start(full, full, 2, 30, "--save-steps", "10", "--host-local"))
+    a0, a1 = load(full / "p0.npz"), load(full / "p1.npz")
+    np.testing.assert_array_equal(a0["w"], a1["w"])
+
+    outs = finish(start(half, half, 2, 20, "--save-steps", "10", "--host-local"))
+    assert all("READY 0 host_local=True" in out for _, out, _ in outs)
+    at20 = load(half / "p0.npz")
+    saved = loopkit.load_checkpoint(str(half / "model.ckpt-20"))  # the chief's copy
+    np.testing.assert_array_equal(saved["w"], at20["w"])
+    np.testing.assert_array_equal(saved["b"], at20["b"])
+
+    outs = finish(start(half, half, 2, 30, "--save-steps", "10", "--host-local"))
+    # each process got a host-local copy of the saved values back, and went on bitwise
+    assert all("READY 20 host_local=True" in out for _, out, _ in outs)
+    assert all("RESULT 30 max_steps" in out for _, out, _ in outs)
+    for i in (0, 1):
+        np.testing.assert_array_equal(load(half / f"p{i}.npz.ready.npz")["w"], at20["w"])
+        np.testing.assert_array_equal(load(half / f"p{i}.npz")["w"], a0["w"])
+        np.testing.assert_array_equal(load(half / f"p{i}.npz")["b"], a0["b"])
+
+
+def test_differing_replicas_fail_the_save_on_every_process(tmp_path):
+    outs = finish(start(tmp_path, tmp_path, 2, 30, "--save-steps", "10", "--host-local",
+                        "--differ"), ok=False)
+    for _, _, err in outs:
+        assert "CheckpointError: not saving" in err
+        assert "model.ckpt-10: the host-local leaf 'b' differs between processes" in err
+        assert "(process 0 and process 1 hold different values)" in err
+    assert not (tmp_path / "checkpoint").exists()  # nothing of that step is published
+    assert not list(tmp_path.glob("model.ckpt-*"))
+
+
+def test_data_running_out_on_one_process_stops_every_process_at_its_last_batch(tmp_path):
+    outs = finish(start(tmp_path, tmp_path, 2, 1000, "--save-steps", "10",
+                        "--data-lens", "23,37"))
+    assert all("RESULT 23 data_exhausted" in out for _, out, _ in outs), outs
+    assert (tmp_path / "checkpoint").read_text().startswith(
+        'model_checkpoint_path: "model.ckpt-23"')
+    np.testing.assert_array_equal(load(tmp_path / "p0.npz")["w"], load(tmp_path / "p1.npz")["w"])
+
+
+def test_four_processes_sharded_state_resume_on_two(tmp_path):
+    four, two = tmp_path / "four", tmp_path / "two"
+    for d in (four, two):
+        d.mkdir()
+    # 4 processes x 2 CPU devices: `w` sharded over all 8 devices, batches too
+    finish(start(four, four, 4, 20, "--save-steps", "10", "--shard-state", devices=2))
+    saved = load(four / "p0.npz")
+    for i in (1, 2, 3):
+        np.testing.assert_array_equal(load(four / f"p{i}.npz")["w"], saved["w"])
+
+    # the job shrank after a preemption: 2 processes x 2 devices resume the same logdir
+    outs = finish(start(four, two, 2, 25, "--save-steps", "10", "--shard-state", devices=2))
+    assert all("READY 20" in out and "RESULT 25 max_steps" in out for _, out, _ in outs)
+    for i in (0, 1):
+        started = load(two / f"p{i}.npz.ready.npz")
+        np.testing.assert_array_equal(started["w"], saved["w"])  # the exact saved values
+        np.testing.assert_array_equal(started["b"], saved["b"])
+    assert (four / "checkpoint").read_text().startswith('model_checkpoint_path: "model.ckpt-25"')

@@ -106,3 +106,25 @@ def test_without_the_variable_the_time_limit_costs_nothing(site):
     """)
     assert "RESULT max_steps" in p.stdout
     assert "TIMERS []" in p.stdout  # no timer, no hook on the per-step path
+
+
+def test_a_step_counter_from_the_public_surface_alone(site, tmp_path):
+    p = run(site, f"""
+        import jax.numpy as jnp, loopkit
+        from loopkit.testing import FakeClock, Tick
+        from loopkit_example_plugin.rate import StepRate
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        clock = FakeClock()
+        loopkit.train(lambda s: (s + 1, {{}}), init=jnp.zeros(()), max_steps=25,
+                      logdir={str(tmp_path)!r}, checkpoint_backend=None, progress=False,
+                      disable=("step_counter",), clock=clock,
+                      plugins=[StepRate(tag="example/rate", steps=10), Tick(clock, 0.25)])
+        acc = EventAccumulator({str(tmp_path)!r}); acc.Reload()
+        print("TAGS", sorted(t for t in acc.Tags()["scalars"] if "rate" in t or "sec" in t))
+        print("RATE", [(e.step, e.value) for e in acc.Scalars("example/rate")])
+    """)
+    # the built-in is off; the plugin's timer counted at 10 and 20, on_stop the last stretch
+    assert "TAGS ['example/rate']" in p.stdout
+    assert "RATE [(10, 4.0), (20, 4.0), (25, 4.0)]" in p.stdout  # 1 step per 0.25 s
+

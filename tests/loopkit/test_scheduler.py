@@ -158,9 +158,24 @@ def test_agreement_decides_time_triggers_only_at_agreement_steps():
             signal["pending"] = True
         if step >= sched.next_step or clock() >= sched.next_time:
             sched.run_due(None, step)
-    assert [len(c) for c in calls] == [Agreement.SLOTS + 2] * 3  # at steps 4, 8, 12
+    assert [len(c) for c in calls] == [Agreement.SLOTS + 4] * 3  # at steps 4, 8, 12
     assert fired == [8, 12]  # locally never due (100 s); the other process said so at 8
     assert stopped == [1]  # the signal seen at step 10 was agreed at step 12
+
+
+def test_agreement_refuses_two_timer_names_that_would_share_a_vote():
+    from loopkit.scheduler import Agreement
+
+    clock = FakeClock()
+    a = Agreement(lambda v: v, lambda: False, lambda: None, clock)
+    sched = Scheduler(clock)
+    # "t7" and "t30" hash to the same of the 64 slots: merged, one would fire the other
+    timers = [sched.add(lambda s: None, secs=5, name=n) for n in ("t7", "t30")]
+    with pytest.raises(ValueError, match="timers 't7' and 't30' share agreement slot"):
+        a.decide(10, 1.0, timers)
+    # a step-only timer casts no time vote: no clash
+    steps_only = sched.add(lambda s: None, steps=5, name="t30")
+    assert a.decide(10, 1.0, [timers[0], steps_only]) == [False, False]
 
 
 def test_agreement_interval_is_the_same_function_of_agreed_numbers():
@@ -172,3 +187,45 @@ def test_agreement_interval_is_the_same_function_of_agreed_numbers():
     a.decide(10, 1.0, [])
     # 500 ms for 10 steps -> 50 ms/step -> 20 steps per second, capped at doubling
     assert a.interval == 20 and a.next_step == 30
+
+
+def test_agreement_stops_every_process_after_the_last_step_all_have_a_batch_for():
+    from loopkit.scheduler import Agreement
+
+    clock = FakeClock()
+    other_has = {"n": 10**6}  # the other process's batches read ahead
+
+    def allreduce_max(vector):
+        longest = 2 * a.interval
+        short = vector[Agreement.SLOTS + 2]
+        return vector[:Agreement.SLOTS + 2] + [max(short, longest - min(longest, other_has["n"])),
+                                               vector[-1]]
+
+    ends = []
+    a = Agreement(allreduce_max, lambda: False, lambda: None, clock, interval=4,
+                  target_secs=10**9, on_exhausted=ends.append)
+    a.supply = lambda n: n + 5  # this process holds more than asked: never a shortfall
+    a.decide(4, 1.0, [])
+    assert ends == [] and a.interval == 8
+    other_has["n"] = 3  # the other process's data ends 3 batches on
+    a.decide(12, 2.0, [])
+    assert ends == [15] and a.next_step == 15
+
+
+def test_a_background_error_on_one_process_stops_every_process_at_the_agreement():
+    from loopkit.coordinator import Coordinator
+    from loopkit.scheduler import Agreement
+
+    coord = Coordinator()
+    coord.agreed = True
+    err = OSError("disk full")
+    coord.request_stop(err, agreed=True)  # from a commit thread: not a local stop
+    assert not coord.stopped and coord.error_pending is err
+
+    errors = []
+    # process 1 reports its error (1 + 1) in the all-reduce; this process has none
+    a = Agreement(lambda v: v[:Agreement.SLOTS + 1] + [2] + v[Agreement.SLOTS + 2:],
+                  lambda: False, lambda: None, FakeClock(), error_pending=lambda: None,
+                  on_error=errors.append)
+    a.decide(10, 1.0, [])
+    assert errors == [1]

@@ -257,7 +257,8 @@ def test_non_chief_writes_nothing(tmp_path, caplog):
     assert any("global_step/sec" in r.getMessage() for r in caplog.records)
 
 
-def test_disabled_summaries_leave_no_event_file(tmp_path):
+def test_disabled_summaries_leave_no_event_file(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="loopkit")
     capture = Capture()
     fast = dict(FAST, disable=("checkpoint", "summaries"))
     loopkit.train(counting_step(), init=jnp.zeros(()), logdir=tmp_path, max_steps=10,
@@ -265,7 +266,9 @@ def test_disabled_summaries_leave_no_event_file(tmp_path):
     assert event_files(tmp_path) == []
     session = capture.session
     assert session.summary_writer is None
-    assert "step_counter" in session.plugin_manager.inactive
+    # the step counter writes through session.summary_writer when there is one;
+    # without it, it only logs
+    assert any("global_step/sec" in r.getMessage() for r in caplog.records)
     with pytest.raises(RuntimeError, match="summary writer"):
         session.summary_computed({"x": 1.0})
 

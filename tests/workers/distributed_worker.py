@@ -1,7 +1,13 @@
 """One process of a data-parallel loopkit job, for tests/test_distributed.py.
 
     python distributed_worker.py LOGDIR OUT NUM_PROCESSES PROCESS_ID PORT MAX_STEPS
-        [--step-sleep S] [--save-secs S] [--save-steps N]
+        [--step-sleep S] [--save-secs S] [--save-steps N] [--data-lens N0,N1,...]
+        [--host-local] [--differ] [--shard-state]
+
+--host-local: the state is plain jax arrays each process holds on its own (replicas),
+fed the same batches on every process, without data_sharding; --differ seeds them
+with the process index. --data-lens: process i's data ends after global step N_i.
+--shard-state: `w` is sharded over every device of every process.
 """
 
 import argparse
@@ -27,6 +33,10 @@ def main():
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--save-secs", type=float, default=None)
     p.add_argument("--save-steps", type=int, default=None)
+    p.add_argument("--data-lens", default=None)
+    p.add_argument("--host-local", action="store_true")
+    p.add_argument("--differ", action="store_true")
+    p.add_argument("--shard-state", action="store_true")
     args = p.parse_args()
     if args.num_processes > 1:
         jax.distributed.initialize(f"127.0.0.1:{args.port}", args.num_processes,
@@ -43,14 +53,23 @@ def main():
     batch_sharding = NamedSharding(mesh, P("data"))
     true_w = np.linspace(-1.0, 1.0, 8).astype(np.float32)
 
+    w_sharding = NamedSharding(mesh, P("data")) if args.shard_state else replicated
+    data_len = int(args.data_lens.split(",")[args.process_id]) if args.data_lens else None
+
     def init():
-        return jax.device_put({"w": jnp.zeros(8), "b": jnp.zeros(())}, replicated)
+        if args.host_local:
+            seed = jax.process_index() if args.differ else 0
+            return {"w": jnp.full(8, float(seed)), "b": jnp.zeros(())}
+        return {"w": jax.device_put(jnp.zeros(8), w_sharding),
+                "b": jax.device_put(jnp.zeros(()), replicated)}
 
     def data(start_step):
         n, i = jax.process_count(), jax.process_index()
+        if args.host_local:  # every process reads the whole batch
+            n, i = 1, 0
         rows = slice(i * 16 // n, (i + 1) * 16 // n)
         step = start_step
-        while True:
+        while data_len is None or step < data_len:
             x = np.random.default_rng(step).normal(size=(16, 8)).astype(np.float32)
             yield x[rows], (x @ true_w + 0.5)[rows]
             step += 1
@@ -60,23 +79,33 @@ def main():
         loss, g = jax.value_and_grad(lambda s: jnp.mean((x @ s["w"] + s["b"] - y) ** 2))(state)
         return jax.tree.map(lambda a, b: a - 0.05 * b, state, g), {"loss": loss}
 
+    def host(state):
+        from jax.experimental import multihost_utils
+
+        return {k: multihost_utils.process_allgather(v, tiled=True)
+                if not v.is_fully_addressable and not v.is_fully_replicated
+                else jax.device_get(v) for k, v in state.items()}
+
     class Pace:
         """Makes this process slower than the others, and says when it is running."""
 
         @loopkit.hookimpl
         def session_create(self, session):
-            print(f"READY {session.step}", flush=True)
+            np.savez(args.out + ".ready.npz", **host(session.state))  # what it started from
+            local = all(x.is_fully_addressable for x in jax.tree.leaves(session.state))
+            print(f"READY {session.step} host_local={local}", flush=True)
 
         @loopkit.hookimpl
         def after_step(self, step):
             if args.step_sleep:
                 time.sleep(args.step_sleep)
 
-    r = loopkit.train(step_fn, init=init, data=data, data_sharding=batch_sharding,
+    r = loopkit.train(step_fn, init=init, data=data,
+                      data_sharding=None if args.host_local else batch_sharding,
                       logdir=args.logdir, max_steps=args.max_steps, plugins=[Pace()],
                       save_model_secs=args.save_secs, save_model_steps=args.save_steps,
                       save_summaries_steps=5, progress=False)
-    state = jax.device_get(r.state)
+    state = host(r.state)
     np.savez(args.out, w=state["w"], b=state["b"], step=r.step)
     print(f"RESULT {r.step} {r.stop_reason}", flush=True)
     if args.num_processes > 1:

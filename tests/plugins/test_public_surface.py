@@ -1,0 +1,31 @@
+"""The built-ins use only what a third-party plugin can: no private session members,
+no private names from the core, no private orbax or jax modules."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def test_built_ins_use_only_the_public_plugin_surface():
+    import ast
+
+    plugins_dir = Path(__file__).resolve().parents[2] / "plugins"
+    for path in sorted(plugins_dir.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") \
+                    and not node.attr.startswith("__"):
+                base = node.value
+                # private members of the session (or what hangs off it) are off limits
+                if isinstance(base, ast.Name) and base.id in ("session", "sess"):
+                    raise AssertionError(f"{path.name}:{node.lineno}: session.{node.attr}")
+                if isinstance(base, ast.Attribute) and base.attr == "session":
+                    raise AssertionError(f"{path.name}:{node.lineno}: .session.{node.attr}")
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("loopkit") \
+                    and not (node.module or "").startswith("loopkit.plugins"):
+                private = [a.name for a in node.names if a.name.startswith("_")]
+                assert not private, f"{path.name}:{node.lineno}: private {private} from {node.module}"
+                assert "_src" not in node.module
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [getattr(node, "module", None) or ""] + [a.name for a in node.names]
+                assert not any("._src" in n for n in names), f"{path.name}:{node.lineno}: {names}"
