@@ -10,10 +10,12 @@ Run: ``python benchmarks/prefetch.py`` (about a minute; ``--repeats`` to change)
    and against the floor: the same work run in independent threads with nothing
    handed over, which is what this machine can do now (other users' load and the
    core count bound the numpy variant, not the hand-off).
-2. Hand-off. A trivial jitted step fed from a list of small numpy batches:
-   `loopkit.train` against a bare Python loop calling the same jitted, donating
-   step on the same batches. Each figure is the slope between a short and a long
-   run (start-up and compilation cancel), median of the repeats.
+2. Hand-off. A trivial jitted step fed small numpy batches from a list and
+   from a generator: `loopkit.train` against a bare Python loop calling the
+   same jitted, donating step on the same batches from the same kind of
+   source, in turns. Each figure is the slope between a short and a long run
+   (start-up and compilation cancel); the added cost is the median of the
+   per-repeat differences to the bare loop.
 """
 
 from __future__ import annotations
@@ -143,13 +145,18 @@ def handoff(repeats: int, short: int, long: int) -> None:
     batches = [np.full((8,), i, np.float32) for i in range(long)]
     init = lambda: jnp.zeros((), jnp.float32)  # noqa: E731
 
-    def bare(n):
-        s = init()
-        t0 = time.perf_counter()
-        for b in batches[:n]:
-            s, _ = jitted(s, b)
-        s.block_until_ready()
-        return time.perf_counter() - t0
+    def gen(n):  # the same batches from a generator, which a loop cannot read ahead
+        return (b for b in batches[:n])
+
+    def bare(source):
+        def run(n):
+            s = init()
+            t0 = time.perf_counter()
+            for b in source(n):
+                s, _ = jitted(s, b)
+            s.block_until_ready()
+            return time.perf_counter() - t0
+        return run
 
     def naive(n):
         # a plain thread + queue.Queue + one device_put per batch, for reference
@@ -165,39 +172,47 @@ def handoff(repeats: int, short: int, long: int) -> None:
         t.join()
         return time.perf_counter() - t0
 
-    def lk(**kw):
+    def lk(source, **kw):
         def run(n):
             t0 = time.perf_counter()
-            r = loopkit.train(fn, init=init, data=batches[:n], **QUIET, **kw)
+            r = loopkit.train(fn, init=init, data=source(n), **QUIET, **kw)
             r.state.block_until_ready()
             return time.perf_counter() - t0
         return run
 
-    ident = lambda b: b  # noqa: E731 - a transform keeps the reader thread on
+    def listed(n):
+        return batches[:n]
+
+    # (name, run, the bare loop it is compared with)
     variants = [
-        ("bare loop", bare),
-        ("loopkit, prefetch=0", lk(prefetch=0)),
-        ("loopkit, prefetch=2 (default)", lk()),
-        ("loopkit, prefetch=64", lk(prefetch=64)),
-        ("loopkit, prefetch=2, thread kept", lk(data_transform=ident)),
-        ("loopkit, prefetch=64, thread kept", lk(prefetch=64, data_transform=ident)),
-        ("thread+Queue+device_put, bare", naive),
+        ("bare loop, list", bare(listed), None),
+        ("bare loop, generator", bare(gen), None),
+        ("loopkit, prefetch=0, list", lk(listed, prefetch=0), "bare loop, list"),
+        ("loopkit, prefetch=2 (default), list", lk(listed), "bare loop, list"),
+        ("loopkit, prefetch=2 (default), generator", lk(gen), "bare loop, generator"),
+        ("loopkit, prefetch=64, list", lk(listed, prefetch=64), "bare loop, list"),
+        ("loopkit, prefetch=64, generator", lk(gen, prefetch=64), "bare loop, generator"),
+        ("thread+Queue+device_put, bare", naive, "bare loop, list"),
     ]
-    for _, run in variants:  # warm up: compile, import, caches
+    for _, run, _ in variants:  # warm up: compile, import, caches
         run(short)
-    slopes: dict[str, list[float]] = {name: [] for name, _ in variants}
+    slopes: dict[str, list[float]] = {name: [] for name, _, _ in variants}
     for _ in range(repeats):  # interleaved, so load from other users hits all alike
-        for name, run in variants:
+        for name, run, _ in variants:
             slopes[name].append((run(long) - run(short)) / (long - short))
-    base = statistics.median(slopes["bare loop"])
-    print(f"\nhand-off: trivial jitted step, batches from a list, slope of runs of {short} "
-          f"and {long} steps, median of {repeats}")
-    print(f"  {'':<36}{'µs/step':>9}{'vs bare':>9}{'spread':>14}")
-    for name, _ in variants:
+    print(f"\nhand-off: trivial jitted step, slope of runs of {short} and {long} steps, "
+          f"median of {repeats}; 'vs bare' is the median of the per-repeat differences")
+    print(f"  {'':<42}{'µs/step':>9}{'vs bare':>9}{'spread':>14}")
+    for name, _, base in variants:
         xs = slopes[name]
-        med = statistics.median(xs)
-        print(f"  {name:<36}{med * 1e6:>9.2f}{(med - base) * 1e6:>+9.2f}"
+        added = "" if base is None else f"{_paired(xs, slopes[base]):+.2f}"
+        print(f"  {name:<42}{statistics.median(xs) * 1e6:>9.2f}{added:>9}"
               f"{f'{min(xs) * 1e6:.1f}..{max(xs) * 1e6:.1f}':>14}")
+
+
+def _paired(xs: list[float], bases: list[float]) -> float:
+    """Median of the per-repeat differences, in µs: load drifts between repeats."""
+    return statistics.median(x - b for x, b in zip(xs, bases)) * 1e6
 
 
 def main() -> None:

@@ -25,10 +25,6 @@ class Input:
     puts in its place (it then also replaces `position`).
     """
 
-    #: True when the data is a list, tuple, range or array in memory: reading a batch
-    #: cannot block (the prefetch plugin may then let the loop read it itself)
-    in_memory = False
-
     def __init__(self, source: Iterator[Any], kind: str, start_step: int) -> None:
         self.source = source
         self.kind = kind  # "iterable" | "callable" | "stateful"
@@ -147,7 +143,4 @@ def _open(data: Any, start_step: int, position: Any, restored: bool) -> Input:
             "plain iterable, used as given. Pass a callable data(start_step) or an iterator "
             "with get_state()/set_state() for an exact resume.", start_step,
         )
-    inp = Input(it, "iterable", start_step)
-    if isinstance(data, (list, tuple, range)) or type(data).__name__ == "ndarray":
-        inp.in_memory = True
-    return inp
+    return Input(it, "iterable", start_step)

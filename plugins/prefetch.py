@@ -1,16 +1,20 @@
 """Built-in `prefetch`: reads the input ahead of the step in threads and places it.
 
-One reader thread pulls batches from the source in order (recording the
-source's state after each batch, for an exact resume); `Config.data_transform`
-runs on `prefetch_threads` threads with the results put back in order; batches
-are placed on the device (or assembled into global arrays for
-`Config.data_sharding`) and handed to the loop in groups, so the loop pays a
-generator resume per batch and a lock only per group or when it must wait.
+Producer threads read the source, run `Config.data_transform`, place each batch
+(on the default device, or assembled into global arrays for
+`Config.data_sharding`) and append it to a bounded deque; the loop pops from it.
+Neither side takes a lock per batch: a lock is taken only to wait (the loop for
+a batch, a producer for room, until the loop has taken half the buffer) and to
+wake a waiter.
 
-A source that costs next to nothing per batch (a list in memory) gains nothing
-from a thread: after the first `PROBE_READS` batches such a source is read by
-the loop itself ("direct" mode), and every `SAMPLE_EVERY`-th read is timed so a
-source that turns slow goes back to the reader thread.
+With several threads, each reads its next batch under a lock, which gives it a
+ticket in the source's order, transforms it outside the lock and appends it when
+its ticket comes up: batches reach the step in the source's order whatever
+`prefetch_threads` is. `Feed.position` gives the source's state recorded after
+the last batch the step consumed, not the producers' state.
+
+Small batches from a list, tuple or range with nothing to do to them (no
+transform, no `data_sharding`) are left to the loop: see `_in_memory`.
 """
 
 from __future__ import annotations
@@ -18,11 +22,9 @@ from __future__ import annotations
 import collections
 import copy
 import itertools
-import queue
-import statistics
 import threading
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import jax
 import numpy as np
@@ -37,33 +39,22 @@ INACTIVE = "Config.prefetch is 0 and neither data_transform nor data_sharding is
 #: call copies them for less than `jax.device_put` costs (on CPU, measured: 7 µs
 #: per call against 40 µs for 16 KiB; 78 µs against 36 µs at 256 KiB).
 PLACE_MIN_BYTES = 128 * 1024
-#: The most batches handed to the loop at once.
-GROUP_MAX = 64
-#: Small batches (under PLACE_MIN_BYTES) are buffered at least this deep, whatever
-#: Config.prefetch says: handing them over two at a time costs a thread wake-up per
-#: group (+32 µs/step measured here for a trivial step fed by a generator, against
-#: +2 µs with groups of up to 64), while 64 small batches take under 8 MiB.
-SMALL_BATCH_DEPTH = 64
-#: Reads timed before deciding whether the source is cheap enough to read inline.
-PROBE_READS = 32
-#: A source whose median read costs less is read by the loop itself.
-CHEAP_READ_SECS = 20e-6
-#: In direct mode, a sampled read slower than this sends reading back to a thread.
-SLOW_READ_SECS = 250e-6
-SAMPLE_EVERY = 64
+#: Small batches are buffered up to this many bytes (at most SMALL_BATCH_DEPTH of
+#: them), whatever Config.prefetch says: the producer sleeps while the buffer is
+#: full and is woken when the loop has taken half of it, and each wake-up costs the
+#: loop tens of µs (measured: +6.2 µs/step with 64 batches of 32 bytes, +4.2 with 1024).
+SMALL_BUFFER_BYTES = 8 << 20
+SMALL_BATCH_DEPTH = 1024
 #: How often a waiting thread looks at the stop flag.
 POLL_SECS = 0.05
 
-_END = "end"  # sentinels in the hand-off deque (groups are lists)
-_DIRECT = "direct"
+_SEQUENCE_ITERATORS = (type(iter([])), type(iter(())), type(iter(range(0))))
+_END = object()  # what a producer "reads" once the source is exhausted
 # what a thread was doing, for the note on its exception
 READING = "reading the data source"
 TRANSFORMING = "running Config.data_transform"
+PLACING = "placing batches on the device"
 SHARDING = "placing batches with Config.data_sharding"
-
-
-def _nbytes(batch: Any) -> int:
-    return sum(x.nbytes for x in jax.tree_util.tree_leaves(batch) if isinstance(x, np.ndarray))
 
 
 class PrefetchPlugin:
@@ -71,7 +62,7 @@ class PrefetchPlugin:
 
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.feed: _Feed | None = None
+        self.feed: Feed | None = None
 
     @hookimpl(tryfirst=True)  # built-in services start before other plugins'
     def session_create(self, session: Any) -> None:
@@ -82,8 +73,10 @@ class PrefetchPlugin:
         if cfg.prefetch == 0:  # transform / placement only, in the loop's thread
             inp.iterator = _inline(inp.source, cfg)
             return
-        self.feed = feed = _Feed(session, cfg)
-        inp.iterator = feed.start()
+        if cfg.data_transform is None and cfg.data_sharding is None and _in_memory(inp):
+            return  # the loop reads it itself
+        self.feed = feed = Feed(session, self.config)
+        inp.iterator = feed.batches()
         if inp.kind == "stateful":
             inp.position = feed.position
 
@@ -94,27 +87,39 @@ def plugin(config: Config) -> PrefetchPlugin | None:
     return PrefetchPlugin(config)
 
 
+def _in_memory(inp: Any) -> bool:
+    """True for small batches from a list, tuple or range: nothing to do ahead.
+
+    Their `next()` cannot block and costs less than any hand-off from a thread,
+    and the step's own call places a small batch for less than `jax.device_put`.
+    Large batches still go through a thread, to be placed ahead of the step.
+    """
+    if type(inp.source) not in _SEQUENCE_ITERATORS:
+        return False
+    first = list(itertools.islice(inp.source, 1))
+    inp.source = inp.iterator = itertools.chain(first, inp.source)
+    return not first or _nbytes(first[0]) < PLACE_MIN_BYTES
+
+
 def _inline(source: Iterator[Any], cfg: Config) -> Iterator[Any]:
     """prefetch=0: transform and place each batch in the loop's own thread."""
     transform, sharding = cfg.data_transform, cfg.data_sharding
     for item in source:
-        if transform is not None:
-            item = _doing(TRANSFORMING, transform, item)
-        if sharding is not None:
-            item = _doing(SHARDING, jax.make_array_from_process_local_data, sharding, item)
+        try:
+            doing = TRANSFORMING
+            if transform is not None:
+                item = transform(item)
+            doing = SHARDING
+            if sharding is not None:
+                item = jax.make_array_from_process_local_data(sharding, item)
+        except Exception as ex:
+            _note(ex, doing)
+            raise
         yield item
 
 
-def _doing(doing: str, fn: Any, *args: Any) -> Any:
-    """`fn(*args)`; an exception gets a note naming this thread and what it was doing."""
-    try:
-        return fn(*args)
-    except Exception as ex:
-        _note(ex, doing)
-        raise
-
-
 def _note(ex: BaseException, doing: str) -> None:
+    """Name this thread and what it was doing, unless a loopkit note already does."""
     if has_origin(ex):
         return
     name = threading.current_thread().name
@@ -124,323 +129,169 @@ def _note(ex: BaseException, doing: str) -> None:
         add_note(ex, f"raised in loopkit's prefetch plugin {doing} in the loop's thread")
 
 
-class _Feed:
-    """The threads, the hand-off deque and the recorded source states of one session."""
+def _nbytes(batch: Any) -> int:
+    return sum(x.nbytes for x in jax.tree_util.tree_leaves(batch) if isinstance(x, np.ndarray))
+
+
+class Feed:
+    """The producer threads, the buffer and the recorded source states of one session.
+
+    A batch costs the loop one `popleft` and a producer one `append` (deque
+    operations are atomic). The condition variable is taken only by a side that
+    must wait (the loop for a batch, a producer for room or for its turn) and by
+    the other side when it sees the waiter's flag.
+    """
 
     def __init__(self, session: Any, cfg: Config) -> None:
         inp = session.input
-        self.session, self.coord = session, session.coord
-        self.source, self.start_step = inp.source, inp.start_step
+        self.session, self.source, self.start_step = session, inp.source, inp.start_step
         self.stateful = inp.kind == "stateful"
         self.transform, self.sharding = cfg.data_transform, cfg.data_sharding
-        self.cap = cfg.prefetch
-        self.group_max = max(1, min(self.cap, GROUP_MAX))
-        self.nworkers = cfg.prefetch_threads if self.transform is not None else 0
-        # `read` and `taken` are each written by one thread only; `delivered` by the
-        # delivering thread and by the loop when it takes a group in the making,
-        # both under `cv`.
-        self.read = 0  # batches read from the source (by one reader at a time)
-        self.delivered = 0  # batches handed to the loop
-        self.taken = 0  # batches the loop took
-        self.ready: collections.deque[Any] = collections.deque()
-        self.partial: list[Any] = []  # the reader's group in the making (under cv)
+        self.depth = cfg.prefetch  # deepened for small batches at the first one
+        self.small: bool | None = None  # under PLACE_MIN_BYTES; the first batch decides
+        self.ready: collections.deque[Any] = collections.deque()  # placed, not yet taken
+        self.put = 0  # batches appended to `ready` so far: the ticket whose turn it is
+        self.finished = False  # every batch of the source is in `ready`
         self.cv = threading.Condition()
-        self.waiting = 0  # threads in cv.wait: only then does the other side notify
-        #: every mode the feed was in, "threaded" or "direct" (for tests and debugging)
-        self.modes = ["threaded"]
-        self.direct_from: int | None = None
-        # source state after k batches were read, k in a window around the loop's step
-        self.states: dict[int, Any] = {}
+        self.wants_batch = False  # the loop waits for a batch
+        self.wants_room = False  # the producer whose turn it is waits for room
+        self.read_lock = threading.Lock()  # the source, `read`, `exhausted`, `states`
+        self.read = 0  # batches read from the source so far
+        self.exhausted = False
+        # the source's state after k batches were read, for k from the loop's step on
+        self.states: dict[int, Any] = {0: self._state()} if self.stateful else {}
         self.oldest = 0
-        if self.stateful:
-            self.states[0] = self._state()
+        n = cfg.prefetch_threads if self.transform is not None else 1
+        self.several = n > 1  # then producers may wait for their turn
+        for name in ["reader"] if n == 1 else [f"transform-{i}" for i in range(n)]:
+            thread = threading.Thread(target=self._produce, name=f"loopkit-prefetch-{name}",
+                                      daemon=True)
+            session.register_thread(thread)  # joined within stop_grace_secs, or named
+            thread.start()
 
-    # -- the loop's side ----------------------------------------------------------
+    # -- the loop's side -----------------------------------------------------------
 
-    def start(self) -> Iterator[Any]:
-        # The loop may read the source itself only when reading cannot block: an
-        # in-memory sequence. A generator may wait on I/O, and a loop blocked in
-        # next() could not see a stop request.
-        self._start_threads(probe=self.transform is None and self.sharding is None
-                            and getattr(self.session.input, "in_memory", False))
-        return self._consume()
-
-    def _consume(self) -> Iterator[Any]:
-        pop = self.ready.popleft
+    def batches(self) -> Iterator[Any]:
+        ready, pop = self.ready, self.ready.popleft
         while True:
             try:
-                group = pop()
+                batch = pop()
             except IndexError:
-                group = self._wait_ready()
-            if group.__class__ is not list:
-                if group == _DIRECT:
-                    yield from self._direct()
+                if self._wait_for_batch():
+                    continue
                 return
-            self.taken += len(group)
-            if self.waiting:
+            if self.wants_room and len(ready) <= self.depth // 2:
+                self.wants_room = False
                 self._notify()
-            yield from group
+            yield batch
 
-    def _wait_ready(self) -> Any:
-        """The slow path: block until a group (or a sentinel) is ready or a stop."""
+    def _wait_for_batch(self) -> bool:
+        """Wait until a batch is ready (True), or for the end or a stop (False)."""
         t0 = time.perf_counter()
-        stolen = False
-        with self.cv:
-            self.waiting += 1
-            try:
-                while not self.ready and not self.coord.stopped:
-                    if self.partial:  # the reader's group in the making: take it now
-                        group, self.partial = self.partial, []
-                        self.delivered += len(group)
-                        stolen = True
-                        break
-                    self.cv.wait(POLL_SECS)
-                if not stolen:
-                    group = self.ready.popleft() if self.ready else _END
-            finally:
-                self.waiting -= 1
-        if stolen:
-            group = self._place(group)
+        self.wants_batch = True
+        self._wait(lambda: self.ready or self.finished)
+        self.wants_batch = False
         self.session.stats.input_wait_secs += time.perf_counter() - t0
-        return group
-
-    def _direct(self) -> Iterator[Any]:
-        """Read the source in the loop's thread, timing one read in SAMPLE_EVERY."""
-        self.modes.append("direct")
-        src, clock = self.source, time.perf_counter
-        try:
-            while True:
-                t0 = clock()
-                item = next(src)
-                if clock() - t0 > SLOW_READ_SECS:
-                    break
-                yield item
-                for item in itertools.islice(src, SAMPLE_EVERY - 1):
-                    yield item
-        except StopIteration:
-            return
-        except Exception as ex:  # noqa: BLE001 - handed to the main thread's stop
-            _note(ex, READING)
-            self.coord.request_stop(ex)
-            return
-        # The source turned slow: back to a reader thread, for good. The loop has
-        # consumed every batch read so far but `item`.
-        self.read = self.session.step - self.start_step + 1
-        if self.stateful:
-            self.states[self.read] = self._state()
-        self.direct_from = None
-        self.modes.append("threaded")
-        self._start_threads(probe=False)
-        yield item
-        yield from self._consume()
+        return bool(self.ready)
 
     def position(self, step: int) -> Any:
         """The source's state after the batch of global step `step` was consumed."""
-        k = step - self.start_step
-        if k in self.states:
-            return self.states[k]
-        if self.direct_from is not None and k >= self.direct_from:
-            return self._state()  # direct mode: the loop read exactly k batches
-        raise LookupError(f"prefetch: no input position recorded for step {step}; "
-                          f"recorded: batches {sorted(self.states)} of this session")
+        return self.states[step - self.start_step]  # not under read_lock: next() may block
 
-    # -- threads --------------------------------------------------------------------
+    # -- the producers' side ---------------------------------------------------------
 
-    def _start_threads(self, probe: bool) -> None:
-        if self.nworkers > 1:
-            self.work: queue.Queue[Any] = queue.Queue()
-            self.pending: queue.Queue[Any] = queue.Queue()
-            targets = [("reader", self._read_for_workers, READING),
-                       ("collector", self._collect, "collecting transformed batches")]
-            targets += [(f"transform-{i}", self._transform_worker, TRANSFORMING)
-                        for i in range(self.nworkers)]
-        else:
-            targets = [("reader", lambda: self._produce(probe), READING)]
-        for name, target, doing in targets:
-            t = threading.Thread(target=self._guard, args=(target, doing),
-                                 name=f"loopkit-prefetch-{name}", daemon=True)
-            self.coord.register_thread(t)  # joined within stop_grace_secs, or named
-            t.start()
-
-    def _guard(self, target: Any, doing: str) -> None:
+    def _produce(self) -> None:
+        ready, transform, sharding = self.ready, self.transform, self.sharding
         try:
-            target()
+            while True:
+                doing = READING
+                with self.read_lock:  # one reader at a time, in the source's order
+                    if self.exhausted or self.session.should_stop():
+                        return
+                    ticket = self.read
+                    try:
+                        item = next(self.source)
+                    except StopIteration:
+                        self.exhausted = True
+                        item = _END
+                    else:
+                        self.read += 1
+                        if self.stateful:
+                            self._record()
+                if item is not _END:
+                    if transform is not None:
+                        doing = TRANSFORMING
+                        item = transform(item)
+                    if self.small is None:
+                        self._first(item)
+                    if sharding is not None:
+                        doing = SHARDING
+                        item = jax.make_array_from_process_local_data(sharding, item)
+                    elif not self.small:
+                        doing = PLACING
+                        item = jax.device_put(item)
+                if self.put != ticket and not self._wait(lambda: self.put == ticket):
+                    return
+                if item is _END:
+                    self.finished = True
+                    self._notify()
+                    return
+                if len(ready) >= self.depth and not self._wait_for_room():
+                    return
+                ready.append(item)
+                self.put += 1
+                if self.wants_batch or self.several:
+                    self.wants_batch = False
+                    self._notify()
         except BaseException as ex:  # noqa: BLE001 - handed to the main thread
-            _note(ex, doing)  # unless a stage already named itself
-            self.coord.request_stop(ex)
+            _note(ex, doing)
+            self.session.request_stop(ex)
             self._notify()
 
-    def _produce(self, probe: bool) -> None:
-        """One thread: read, transform, place, hand over in groups of what is ready."""
-        src, transform, cv = self.source, self.transform, self.cv
-        probed: list[tuple[float, int]] | None = [] if probe else None
-        while not self.coord.stopped:
-            t0 = time.perf_counter()
-            try:
-                item = next(src)
-            except StopIteration:
-                with cv:
-                    group, self.partial = self.partial, []
-                if group:
-                    self._deliver(group)
-                self._append(_END)
-                return
-            if probed is not None:
-                probed.append((time.perf_counter() - t0, _nbytes(item)))
-            if self.read == 0 and _nbytes(item) < PLACE_MIN_BYTES:
-                self.cap = max(self.cap, SMALL_BATCH_DEPTH)
-                self.group_max = min(self.cap, GROUP_MAX)
-            self.read += 1
-            if self.stateful:
-                self._record()
-            if probed is not None and len(probed) == PROBE_READS:
-                if self._cheap(probed):
-                    with cv:
-                        group, self.partial = self.partial, []
-                    group.append(item)
-                    if self._deliver(group):
-                        self.direct_from = self.read
-                        self._append(_DIRECT)
-                    return  # the loop reads the source from here on
-                probed = None
-            if transform is not None:
-                item = _doing(TRANSFORMING, transform, item)
-            # The group being built is shared: a loop that runs dry takes it as it
-            # is, so batches read before the source stalls are never held back.
-            with cv:
-                self.partial.append(item)
-                full = len(self.partial) >= self.group_max or not self.ready
-                if full:
-                    group, self.partial = self.partial, []
-                elif self.waiting:
-                    cv.notify_all()
-            if full and not self._deliver(group):
-                return
+    def _first(self, item: Any) -> None:
+        nbytes = _nbytes(item)
+        self.small = nbytes < PLACE_MIN_BYTES
+        if self.small:
+            fits = SMALL_BUFFER_BYTES // max(nbytes, 1)
+            self.depth = max(self.depth, min(SMALL_BATCH_DEPTH, fits))
 
-    @staticmethod
-    def _cheap(probed: list[tuple[float, int]]) -> bool:
-        return (statistics.median(t for t, _ in probed) <= CHEAP_READ_SECS
-                and max(n for _, n in probed) < PLACE_MIN_BYTES)
+    def _record(self) -> None:
+        self.states[self.read] = self._state()
+        done = self.session.step - self.start_step  # older states are not asked for
+        while self.oldest < done:
+            self.states.pop(self.oldest, None)
+            self.oldest += 1
 
-    def _read_for_workers(self) -> None:
-        """With several transform threads: read in order, queue the work and its slot."""
-        src, limit = self.source, self.cap + 2 * self.nworkers
-        while True:
-            if not self._wait(lambda: self.read - self.taken < limit):
-                return
-            try:
-                item = next(src)
-            except StopIteration:
-                self.pending.put(None)
-                for _ in range(self.nworkers):
-                    self.work.put(None)
-                return
-            self.read += 1
-            if self.stateful:
-                self._record()
-            slot = _Slot(item)
-            self.pending.put(slot)
-            self.work.put(slot)
+    def _wait_for_room(self) -> bool:
+        """Wait until the loop has taken half the buffer (True) or a stop (False).
 
-    def _transform_worker(self) -> None:
-        transform = self.transform
-        while not self.coord.stopped:
-            try:
-                slot = self.work.get(timeout=POLL_SECS)
-            except queue.Empty:
-                continue
-            if slot is None:
-                return
-            slot.value = _doing(TRANSFORMING, transform, slot.value)
-            slot.done.set()
+        Half, not one: a producer woken for every batch would cost the loop a
+        thread wake-up per step.
+        """
+        self.wants_room = True
+        try:
+            return self._wait(lambda: len(self.ready) <= self.depth // 2)
+        finally:
+            self.wants_room = False
 
-    def _collect(self) -> None:
-        """Take the transformed batches in the source's order and hand them over."""
-        group: list[Any] = []
-        while not self.coord.stopped:
-            try:
-                slot = self.pending.get(timeout=POLL_SECS)
-            except queue.Empty:
-                continue
-            if slot is None:
-                if group:
-                    self._deliver(group)
-                self._append(_END)
-                return
-            while not slot.done.wait(POLL_SECS):
-                if self.coord.stopped:
-                    return
-            group.append(slot.value)
-            nxt = self.pending.queue[0] if self.pending.queue else None
-            if (len(group) >= self.group_max or not self.ready
-                    or nxt is None or not nxt.done.is_set()):
-                if not self._deliver(group):
-                    return
-                group = []
+    def _wait(self, done: Callable[[], Any]) -> bool:
+        """Wait until `done()` (True) or a stop (False).
 
-    # -- shared helpers ---------------------------------------------------------------
-
-    def _deliver(self, group: list[Any]) -> bool:
-        """Wait for room, place `group`, hand it to the loop; False on a stop."""
-        n = len(group)
-        if not self._wait(lambda: self.delivered == self.taken
-                          or self.delivered - self.taken + n <= self.cap):
-            return False
-        placed = self._place(group)
+        The caller raises its flag first and the other side checks the flag after
+        its own change, so one of the two always sees the other: no lost wake-up.
+        """
+        stop = self.session.should_stop
         with self.cv:
-            self.delivered += n
-            self.ready.append(placed)
-            if self.waiting:
-                self.cv.notify_all()
+            while not done():
+                if stop():
+                    return False
+                self.cv.wait(POLL_SECS)
         return True
-
-    def _place(self, group: list[Any]) -> list[Any]:
-        if self.sharding is not None:
-            return _doing(SHARDING, jax.make_array_from_process_local_data, self.sharding, group)
-        if _nbytes(group[0]) >= PLACE_MIN_BYTES:
-            return _doing("placing batches on the device", jax.device_put, group)
-        return group
-
-    def _append(self, entry: Any) -> None:
-        self.ready.append(entry)
-        if self.waiting:
-            self._notify()
 
     def _notify(self) -> None:
         with self.cv:
             self.cv.notify_all()
 
-    def _wait(self, room: Any) -> bool:
-        """Block until `room()` or a stop; True when there is room."""
-        if room():
-            return True
-        with self.cv:
-            self.waiting += 1
-            try:
-                while not room():
-                    if self.coord.stopped:
-                        return False
-                    self.cv.wait(POLL_SECS)
-            finally:
-                self.waiting -= 1
-        return not self.coord.stopped
-
     def _state(self) -> Any:
         # a copy: an iterator may hand out its live state and change it on next()
         return copy.deepcopy(self.source.get_state())
-
-    def _record(self) -> None:
-        self.states[self.read] = self._state()
-        lo = self.session.step - self.start_step  # older states can no longer be asked for
-        while self.oldest < lo:
-            self.states.pop(self.oldest, None)
-            self.oldest += 1
-
-
-class _Slot:
-    __slots__ = ("value", "done")
-
-    def __init__(self, value: Any) -> None:
-        self.value = value
-        self.done = threading.Event()
-

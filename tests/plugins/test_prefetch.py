@@ -118,24 +118,48 @@ def test_exhaustion_after_queued_batches_are_consumed():
                       prefetch=8, plugins=[probe], **QUIET)
     assert seen == list(range(12))
     assert (r.step, r.stop_reason) == (12, "data_exhausted")
-    assert probe.plugin.feed.modes == ["threaded"]
 
 
-def test_cheap_source_is_read_directly_and_back_in_a_thread_when_it_turns_slow(monkeypatch):
-    seen, probe = [], Probe()
-    r = loopkit.train(recording_step(seen), init=0, data=list(range(300)), plugins=[probe],
-                      **QUIET)
+def test_the_source_is_read_in_the_reader_thread():
+    readers = []
+
+    def source():
+        for i in range(300):
+            readers.append(threading.current_thread().name)
+            yield i
+
+    seen = []
+    r = loopkit.train(recording_step(seen), init=0, data=source(), **QUIET)
     assert seen == list(range(300)) and r.stop_reason == "data_exhausted"
-    assert probe.plugin.feed.modes == ["threaded", "direct"]
+    assert set(readers) == {"loopkit-prefetch-reader"}
 
-    # Only in-memory data is read directly (a generator could block on I/O, and a
-    # loop blocked in next() could not see a stop). Pretend this source is one.
-    monkeypatch.setattr(loopkit.data.Input, "in_memory", True)
+
+def test_small_batches_in_a_list_are_read_by_the_loop():
+    threads = []
+
+    def step(state, batch):
+        threads.append(prefetch_threads())
+        return state + batch, {}
+
+    r = loopkit.train(step, init=0, data=list(range(100)), **QUIET)
+    assert (r.state, r.stop_reason) == (sum(range(100)), "data_exhausted")
+    assert threads == [[]] * 100
+    # with a transform, a list goes through the reader thread like any source
+    readers = []
+
+    def transform(i):
+        readers.append(threading.current_thread().name)
+        return i
+
+    loopkit.train(step, init=0, data=list(range(100)), data_transform=transform, **QUIET)
+    assert set(readers) == {"loopkit-prefetch-reader"}
+
+
+def test_source_turning_slow_keeps_order_and_positions():
     seen, probe = [], Probe(every=7)
     src = Stateful(range(400), delay=1e-3, slow_after=100)
     loopkit.train(recording_step(seen), init=0, data=src, plugins=[probe], prefetch=4, **QUIET)
     assert seen == list(range(400))
-    assert probe.plugin.feed.modes == ["threaded", "direct", "threaded"]
     assert_positions_resume(probe.positions, seen, lambda: Stateful(range(400)))
 
 
@@ -182,27 +206,6 @@ def test_transform_error_names_the_thread(threads, thread):
     assert prefetch_threads() == []
 
 
-def test_generators_are_never_read_directly():
-    seen, probe = [], Probe()
-    loopkit.train(recording_step(seen), init=0, data=(i for i in range(300)), plugins=[probe],
-                  **QUIET)
-    assert seen == list(range(300)) and probe.plugin.feed.modes == ["threaded"]
-
-
-def test_error_in_a_directly_read_source_is_reraised(monkeypatch):
-    monkeypatch.setattr(loopkit.data.Input, "in_memory", True)
-
-    def source():
-        yield from range(100)
-        raise OSError("disk gone")
-
-    probe = Probe()
-    with pytest.raises(OSError, match="disk gone") as info:
-        loopkit.train(recording_step([]), init=0, data=source(), plugins=[probe], **QUIET)
-    assert probe.plugin.feed.modes == ["threaded", "direct"]
-    assert "prefetch plugin reading the data source" in info.value.__notes__[0]
-
-
 # -- stopping ------------------------------------------------------------------------
 
 
@@ -212,7 +215,7 @@ def test_stop_with_producer_blocked_on_a_full_queue():
 
     def step(state, batch):
         feed = probe.plugin.feed  # hold the first step until the reader waits for room
-        wait_for(lambda: feed.read >= 50 and feed.waiting > 0)
+        wait_for(lambda: feed.read >= 50 and feed.wants_room)
         return state + 1, {}
 
     t0 = time.monotonic()
@@ -275,7 +278,7 @@ def test_data_sharding_assembles_global_arrays(depth):
         np.testing.assert_array_equal(b["x"], batches[i]["x"])
 
 
-def test_large_batches_are_placed_ahead_in_groups(monkeypatch):
+def test_large_batches_are_placed_ahead(monkeypatch):
     monkeypatch.setattr(prefetch, "PLACE_MIN_BYTES", 64)
     batches = [np.full((4, 4), i, np.float32) for i in range(30)]  # 64 bytes each
     seen = []
