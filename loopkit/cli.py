@@ -28,7 +28,7 @@ def _checkpoints(args: argparse.Namespace) -> int:
 
     try:
         lines = describe_checkpoints(args.logdir)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, ValueError, ImportError) as e:  # a bad path or URL
         print(f"loopkit checkpoints: {e}", file=sys.stderr)
         return 1
     if not lines:

@@ -59,6 +59,9 @@ def _optional_callable(v: Any) -> str | None:
 
 def _logdir(v: Any) -> str | None:
     if v is None or (isinstance(v, (str, os.PathLike)) and str(os.fspath(v)) != ""):
+        from loopkit.storage import check_url
+
+        check_url(v, "Config.logdir")  # an unknown scheme or a missing extra fails now
         return None
     return "a non-empty path (str or os.PathLike) or None"
 
@@ -221,9 +224,11 @@ class Config:
             object.__setattr__(self, "summary_metrics", tuple(metrics))
 
     @property
-    def logdir_path(self) -> Path | None:
-        """`logdir` as an absolute `Path`, or None."""
-        return None if self.logdir is None else Path(self.logdir).absolute()
+    def logdir_path(self) -> Path | str | None:
+        """`logdir` as an absolute `Path`, a URL string (``s3://bucket/run``), or None."""
+        from loopkit.storage import normalise
+
+        return None if self.logdir is None else normalise(self.logdir, "Config.logdir")
 
     def replace(self, **changes: Any) -> Config:
         """A copy with `changes` applied (and validated)."""

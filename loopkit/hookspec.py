@@ -112,7 +112,8 @@ def step_carry(session: Session) -> StepCarry | None:
 
 
 @hookspec(firstresult=True)
-def checkpoint_backend(name: str, directory: Path, config: Config) -> CheckpointBackend | None:
+def checkpoint_backend(name: str, directory: Path | str,
+                       config: Config) -> CheckpointBackend | None:
     """Build the checkpoint backend called ``name`` that stores in ``directory``.
 
     Called once per session when `Config.checkpoint_backend` is a name; the
@@ -120,7 +121,9 @@ def checkpoint_backend(name: str, directory: Path, config: Config) -> Checkpoint
     plugin does not provide. Stops at the first non-None result.
 
     :param name: the backend name, e.g. ``"orbax"`` or ``"npz"``.
-    :param directory: the directory checkpoints live in (the logdir).
+    :param directory: the directory checkpoints live in (the logdir): an absolute
+        `Path`, or a URL string (``s3://bucket/run``) that the backend reaches
+        through fsspec (`loopkit.storage`).
     :param config: the run's `loopkit.Config`.
     """
 

@@ -20,6 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from loopkit import storage
 from loopkit.checkpoint import CheckpointBackend, Restored
 from loopkit.config import Config
 from loopkit.coordinator import add_note
@@ -70,7 +71,7 @@ class CheckpointPlugin:
         self.config = config
         self.backend: CheckpointBackend | None = None
         self._owns_backend = False
-        self._logdir: Path | None = None
+        self._logdir: Path | str | None = None  # a URL for an object store
         self._basename = config.checkpoint_basename
         #: committed checkpoints on disk (listed or not)
         self._on_disk: set[int] = set()
@@ -92,25 +93,26 @@ class CheckpointPlugin:
         return list(BUILTIN_BACKENDS)
 
     @hookimpl(trylast=True)
-    def checkpoint_backend(self, name: str, directory: Path, config: Config) -> Any:
+    def checkpoint_backend(self, name: str, directory: Path | str, config: Config) -> Any:
         basename = config.checkpoint_basename
         if name == "orbax":
-            from loopkit.plugins.orbax_backend import OrbaxBackend
+            from loopkit.plugins.orbax_backend import OrbaxBackend as make
+        elif name == "npz":
+            from loopkit.plugins.npz_backend import NpzBackend as make
+        else:
+            return None
+        from loopkit.plugins.staged_backend import local_or_staged
 
-            return OrbaxBackend(directory, basename, config)
-        if name == "npz":
-            from loopkit.plugins.npz_backend import NpzBackend
-
-            return NpzBackend(directory, basename, config)
-        return None
+        # under a URL: staged on local disk, uploaded when committed
+        return local_or_staged(directory, basename, lambda d: make(d, basename, config))
 
     def _open(self, session: Any) -> CheckpointBackend:
         """Build the session's one backend (restore_state runs first, so usually there)."""
         if self.backend is not None:
             return self.backend
         spec = self.config.checkpoint_backend
-        logdir = self._logdir = Path(session.logdir)
-        logdir.mkdir(parents=True, exist_ok=True)
+        logdir = self._logdir = session.logdir
+        storage.makedirs(logdir)
         if isinstance(spec, str):
             backend = session.hook.checkpoint_backend(name=spec, directory=logdir,
                                                       config=self.config)
@@ -134,7 +136,7 @@ class CheckpointPlugin:
 
     def _path(self, step: int) -> str:
         assert self._logdir is not None
-        return str(self._logdir / f"{self._basename}-{step}")
+        return str(storage.join(self._logdir, f"{self._basename}-{step}"))
 
     # -- recovery ----------------------------------------------------------------------
 

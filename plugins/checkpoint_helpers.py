@@ -13,6 +13,7 @@ from typing import Any, Iterator
 
 import jax
 
+from loopkit import storage
 from loopkit.plugins.checkpoint_locate import backends, basename_of, locate, recoverable
 from loopkit.plugins.checkpoint_state import read_state
 from loopkit.pytree import check_matches, conform
@@ -65,15 +66,15 @@ def latest_checkpoint(logdir: str | os.PathLike[str], *,
     and has no backend extension: `load_checkpoint` accepts it. (It does not
     read the data: a corrupt checkpoint is found out only when loaded.)
     """
-    logdir = Path(logdir).absolute()
+    logdir = storage.normalise(logdir, "logdir")
     base = basename_of(logdir, basename)
     with backends(logdir, base) as group:
         return _latest(logdir, base, group)
 
 
-def _latest(logdir: Path, base: str, group: Any) -> tuple[int, str] | None:
+def _latest(logdir: Path | str, base: str, group: Any) -> tuple[int, str] | None:
     step = recoverable(logdir, group.steps(), base)
-    return None if step is None else (step, str(logdir / f"{base}-{step}"))
+    return None if step is None else (step, str(storage.join(logdir, f"{base}-{step}")))
 
 
 def load_checkpoint(logdir_or_path: str | os.PathLike[str], like: PyTree = None) -> PyTree:
@@ -90,7 +91,7 @@ def load_checkpoint(logdir_or_path: str | os.PathLike[str], like: PyTree = None)
     (``state["params"]["w"]``, sequence indices as ``"0"``, ``"1"``...). A path
     holding none of these raises `FileNotFoundError` saying what is there.
     """
-    found = locate(Path(logdir_or_path).absolute())
+    found = locate(storage.normalise(logdir_or_path, "logdir_or_path"))
     try:
         state, _ = found.backend.restore(found.step, place_like(like))
     finally:
@@ -111,13 +112,13 @@ def checkpoints_iterator(logdir: str | os.PathLike[str], min_interval_secs: floa
     seconds without a new checkpoint (None: never). A checkpoint that is
     replaced by a newer one before a poll sees it is skipped.
     """
-    logdir = Path(logdir).absolute()
+    logdir = storage.normalise(logdir, "logdir")
     base = basename_of(logdir, None)
     with backends(logdir, base) as group:
         yield from _follow(logdir, base, group, min_interval_secs, timeout, poll_secs)
 
 
-def _follow(logdir: Path, base: str, group: Any, min_interval_secs: float,
+def _follow(logdir: Path | str, base: str, group: Any, min_interval_secs: float,
             timeout: float | None, poll_secs: float) -> Iterator[tuple[int, str]]:
     last: tuple[int, str] | None = None
     while True:
@@ -135,19 +136,6 @@ def _follow(logdir: Path, base: str, group: Any, min_interval_secs: float,
         wait = start + min_interval_secs - time.monotonic()
         if wait > 0:
             time.sleep(wait)
-
-
-def _size(path: Path) -> int:
-    if path.is_file():
-        return path.stat().st_size
-    total = 0
-    for root, _dirs, files in os.walk(path):
-        for f in files:
-            try:
-                total += os.stat(os.path.join(root, f)).st_size
-            except FileNotFoundError:  # deleted while we look
-                pass
-    return total
 
 
 def _human_size(n: float) -> str:
@@ -177,9 +165,9 @@ def describe_checkpoints(logdir: str | os.PathLike[str], *,
     the `checkpoint` file's list (kept by ``keep_checkpoint_every_n_hours``, or
     left behind by a restart from an older checkpoint) is marked ``(unlisted)``.
     """
-    logdir = Path(logdir).absolute()
-    if not logdir.is_dir():
-        raise FileNotFoundError(f"{logdir} does not exist" if not logdir.exists()
+    logdir = storage.normalise(logdir, "logdir")
+    if not storage.is_dir(logdir):
+        raise FileNotFoundError(f"{logdir} does not exist" if not storage.exists(logdir)
                                 else f"{logdir} is not a directory")
     base = basename_of(logdir, basename)
     state = read_state(logdir, base)
@@ -190,17 +178,18 @@ def describe_checkpoints(logdir: str | os.PathLike[str], *,
         first = recoverable(logdir, found, base)
         listed = {s for s, _ in state.listed} if state is not None else set(found)
         for step in sorted(found):
-            path = Path(found[step].path(step))
+            path = found[step].path(step)
             try:
-                size, age = _size(path), now - path.stat().st_mtime
+                size, mtime = storage.size_and_mtime(path)
             except FileNotFoundError:  # deleted by retention while we look
                 continue
+            age = now - mtime
             marks = []
             if step == first:
                 marks.append("<- latest (a restart recovers this one)")
             elif step not in listed:
                 marks.append("(unlisted)")
-            rows.append((path.name, f"step {step}", _human_size(size), _human_age(age), marks))
+            rows.append((storage.name_of(path), f"step {step}", _human_size(size), _human_age(age), marks))
     if not rows:
         return []
     w0 = max(len(r[0]) for r in rows)

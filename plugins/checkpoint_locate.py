@@ -15,6 +15,7 @@ import re
 from pathlib import Path
 from typing import Any, Iterator
 
+from loopkit import storage
 from loopkit.plugins.checkpoint_state import DEFAULT_BASENAME, read_state, recovery_order
 
 __all__ = ["Backends", "FORMATS", "Located", "locate"]
@@ -35,7 +36,7 @@ class Backends:
     belongs to the first backend that lists it.
     """
 
-    def __init__(self, directory: Path, basename: str) -> None:
+    def __init__(self, directory: Path | str, basename: str) -> None:
         from loopkit.config import Config
         from loopkit.manager import make_plugin_manager
 
@@ -65,7 +66,7 @@ class Backends:
 
 
 @contextlib.contextmanager
-def backends(directory: Path, basename: str) -> Iterator[Backends]:
+def backends(directory: Path | str, basename: str) -> Iterator[Backends]:
     found = Backends(directory, basename)
     try:
         yield found
@@ -73,14 +74,14 @@ def backends(directory: Path, basename: str) -> Iterator[Backends]:
         found.close()
 
 
-def basename_of(logdir: Path, basename: str | None) -> str:
+def basename_of(logdir: Path | str, basename: str | None) -> str:
     if basename is not None:
         return basename
     state = read_state(logdir)
     return state.basename if state is not None else DEFAULT_BASENAME
 
 
-def recoverable(logdir: Path, found: dict[int, Any], basename: str) -> int | None:
+def recoverable(logdir: Path | str, found: dict[int, Any], basename: str) -> int | None:
     """The step a restart would try first among ``found``."""
     state = read_state(logdir, basename)
     return next((s for s in recovery_order(state, set(found)) if s in found), None)
@@ -93,7 +94,7 @@ class Located:
         self.backend, self.step, self.where = backend, step, where
 
 
-def _in_logdir(directory: Path, basename: str, step: int | None) -> Located | None:
+def _in_logdir(directory: Path | str, basename: str, step: int | None) -> Located | None:
     """The checkpoint ``step`` (None: the one a restart recovers) of a backend in ``directory``."""
     group = Backends(directory, basename)
     found = group.steps()
@@ -103,7 +104,7 @@ def _in_logdir(directory: Path, basename: str, step: int | None) -> Located | No
     group.close(keep=backend)
     if backend is None:
         return None
-    return Located(backend, step, str(directory / f"{basename}-{step}"))
+    return Located(backend, step, str(storage.join(directory, f"{basename}-{step}")))
 
 
 def _manager_item(step_dir: Path) -> Path | None:
@@ -160,22 +161,37 @@ def _what_is(target: Path) -> str:
     return f"a directory holding {shown}, none of them a checkpoint loopkit reads"
 
 
-def locate(target: Path) -> Located:
-    """The checkpoint at ``target`` (a checkpoint path, a logdir, or another library's files)."""
-    m = re.fullmatch(r"(.+)-(0|[1-9][0-9]*)(\.[A-Za-z0-9]+)?", target.name)
-    if m is not None and not target.name.endswith(".safetensors"):
-        found = _in_logdir(target.parent, m.group(1), int(m.group(2)))
+def locate(target: Path | str) -> Located:
+    """The checkpoint at ``target`` (a checkpoint path, a logdir, or another library's files).
+
+    A URL is read through the backends only: another library's files under a URL
+    are not (download them first).
+    """
+    name, url = storage.name_of(target), storage.is_url(target)
+    m = re.fullmatch(r"(.+)-(0|[1-9][0-9]*)(\.[A-Za-z0-9]+)?", name)
+    if m is not None and not name.endswith(".safetensors"):
+        found = _in_logdir(storage.parent(target), m.group(1), int(m.group(2)))
         if found is not None:
             return found
-    if target.is_dir():
+    if url or target.is_dir():
         found = _in_logdir(target, basename_of(target, None), None)
         if found is not None:
             return found
-    found = _foreign(target)
+    found = None if url else _foreign(target)
     if found is not None:
         return found
-    names = Backends(target.parent, DEFAULT_BASENAME)
+    names = Backends(storage.parent(target), DEFAULT_BASENAME)
     names.close()
+    what = (f"{_what_is_url(target)}; under a URL loopkit reads only what its checkpoint "
+            "backends wrote" if url else _what_is(target))
     raise FileNotFoundError(
-        f"no checkpoint at {target}: found {_what_is(target)}. loopkit reads "
+        f"no checkpoint at {target}: found {what}. loopkit reads "
         + FORMATS.format(backends=", ".join(names.names)))
+
+
+def _what_is_url(target: str) -> str:
+    names = sorted(storage.list_names(target))
+    if not names:
+        return "nothing"
+    shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+    return f"{shown}, none of them a checkpoint loopkit reads"

@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from loopkit.fs import atomic_write_text
+from loopkit import storage
 
 __all__ = [
     "CheckpointState",
@@ -87,9 +87,9 @@ def read_state(logdir: str | os.PathLike[str], basename: str | None = None) -> C
     a warning. Unknown fields are ignored (lenient where a protobuf text parser
     would fail: a restart should not stop over a line it does not need).
     """
-    path = Path(logdir) / STATE_FILE
+    path = storage.join(storage.normalise(logdir), STATE_FILE)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = storage.read_bytes(path).decode("utf-8")
     except FileNotFoundError:
         return None
     except (OSError, UnicodeDecodeError) as ex:
@@ -102,8 +102,13 @@ def read_state(logdir: str | os.PathLike[str], basename: str | None = None) -> C
             fields.setdefault(m.group(1), []).append(_unquote(m.group(2)))
 
     def step_of(entry: str) -> tuple[str, int] | None:
-        p = Path(entry)
-        if p.is_absolute() and p.parent != Path(logdir).absolute():
+        if storage.is_url(entry):
+            outside = entry.rsplit("/", 1)[0] != str(storage.normalise(logdir))
+        else:
+            p = Path(entry)
+            outside = p.is_absolute() and (storage.is_url(logdir)
+                                           or p.parent != Path(logdir).absolute())
+        if outside:
             log.warning("loopkit: %s names %s, outside %s; ignoring that entry", path, entry, logdir)
             return None
         found = split_name(entry)
@@ -142,8 +147,9 @@ def read_state(logdir: str | os.PathLike[str], basename: str | None = None) -> C
 
 
 def write_state(logdir: str | os.PathLike[str], state: CheckpointState) -> None:
-    """Write ``logdir/checkpoint`` atomically and durably."""
-    atomic_write_text(Path(logdir) / STATE_FILE, state.to_text())
+    """Write ``logdir/checkpoint`` atomically and durably (on a URL: one object write)."""
+    storage.write_atomic(storage.join(storage.normalise(logdir), STATE_FILE),
+                         state.to_text().encode("utf-8"))
 
 
 def on_disk(logdir: str | os.PathLike[str], basename: str = DEFAULT_BASENAME) -> dict[int, Path]:

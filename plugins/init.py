@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import fnmatch
 import os
-from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import numpy as np
 
+from loopkit import storage
 from loopkit.config import Config
 from loopkit.hookspec import hookimpl
 from loopkit.pytree import leaf_path, shape_dtype
@@ -53,7 +53,7 @@ def _resolve(logdir_or_path: str | os.PathLike[str]) -> tuple[Any, int, str]:
     """(backend, step, path) for a logdir (its latest checkpoint) or a checkpoint path."""
     from loopkit.plugins.checkpoint_locate import locate
 
-    found = locate(Path(logdir_or_path).absolute())
+    found = locate(storage.normalise(logdir_or_path, "logdir_or_path"))
     return found.backend, found.step, found.where
 
 

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 import jax
 import numpy as np
 
+from loopkit import storage
 from loopkit.errors import CheckpointError
 from loopkit.fs import fsync_dir
 from loopkit.pytree import conform
@@ -78,6 +79,7 @@ class NpzBackend:
 
     def __init__(self, directory: str | os.PathLike[str], basename: str = "model.ckpt",
                  config: Config | None = None) -> None:
+        storage.refuse_url(directory, type(self).__name__)
         self.directory = Path(directory)
         self.basename = basename
         self.config = config

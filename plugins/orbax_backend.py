@@ -60,6 +60,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import jax
 import numpy as np
 
+from loopkit import storage
 from loopkit.errors import CheckpointError
 from loopkit.fs import fsync_dir, fsync_tree
 from loopkit.pytree import conform
@@ -115,6 +116,7 @@ class OrbaxBackend:
                  restore_concurrent_gb: int | None = None) -> None:
         import orbax.checkpoint as ocp
 
+        storage.refuse_url(directory, type(self).__name__)
         self.directory = Path(directory)
         self.basename = basename
         self.config = config

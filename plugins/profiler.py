@@ -20,10 +20,14 @@ file per host).
 from __future__ import annotations
 
 import logging
+import shutil
+import tempfile
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import jax
 
+from loopkit import storage
 from loopkit.config import Config
 from loopkit.hookspec import hookimpl
 
@@ -53,6 +57,7 @@ class ProfilerPlugin:
         self._window: Any = None  # the periodic trace's stop timer while it runs
         self._since = (0, 0.0)  # (step, time) the current trace started
         self._tracing = False
+        self._local: str | None = None  # the local trace directory of a URL logdir
 
     @hookimpl(tryfirst=True)  # built-in services start before other plugins'
     def session_create(self, session: Session) -> None:
@@ -67,7 +72,10 @@ class ProfilerPlugin:
             self._timer = session.at_step(self.first - 1, self._start, name="profiler")
 
     def _trace(self, session: Session) -> None:
-        jax.profiler.start_trace(str(session.logdir))
+        where = session.logdir
+        if storage.is_url(where):  # traced locally, uploaded when the trace stops
+            where = self._local = tempfile.mkdtemp(prefix="loopkit-profile-")
+        jax.profiler.start_trace(str(where))
         self._tracing = True
         self._since = (session.step, session.clock())
 
@@ -79,6 +87,12 @@ class ProfilerPlugin:
             jax.profiler.stop_trace()
             self._tracing = False
             self.traces.append((self._since[0] + 1, session.step))
+            local, self._local = self._local, None
+            if local is not None:
+                try:
+                    storage.upload_tree(Path(local), str(session.logdir))
+                finally:
+                    shutil.rmtree(local, ignore_errors=True)
 
     def _start(self, session: Session) -> None:
         if self._timer is not None:

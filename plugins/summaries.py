@@ -16,12 +16,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
+import tempfile
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
 import jax
 import numpy as np
 
+from loopkit import storage
 from loopkit.config import Config
 from loopkit.hookspec import hookimpl
 from loopkit.plugins.summary_values import IntervalMean, chosen
@@ -81,6 +85,7 @@ class SummariesPlugin:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.writer: Any = None
+        self.mirror: storage.Mirror | None = None  # the events' copy under a URL logdir
         self._written_step: int | None = None
         self._last_time = 0.0
         self._last_busy = 0.0
@@ -107,8 +112,14 @@ class SummariesPlugin:
         # too, or the first restart would purge nothing. Purging reaches earlier
         # files only: hence file names that sort in creation order.
         purge_step = session.step if restored is None else int(restored.step) + 1
+        where = session.logdir
+        if storage.is_url(where):
+            # tensorboardX would re-upload the whole file on every flush: write it
+            # locally and mirror it on the summary timer, off the main thread.
+            where = tempfile.mkdtemp(prefix="loopkit-events-")
+            self.mirror = storage.Mirror(Path(where), str(session.logdir))
         self.writer = SummaryWriter(
-            str(session.logdir), purge_step=purge_step, flush_secs=FLUSH_SECS,
+            str(where), purge_step=purge_step, flush_secs=FLUSH_SECS,
             max_queue=1024, filename_suffix=event_file_suffix(),
         )
         session.summary_writer = self.writer
@@ -153,6 +164,8 @@ class SummariesPlugin:
                 "loopkit/checkpoint_blocking_secs", float(stats.checkpoint_blocking_secs), step
             )
         writer.flush()
+        if self.mirror is not None:
+            self.mirror.sync()
         self._written_step = step
 
     def _metrics(self, session: Session) -> dict[str, Any]:
@@ -179,6 +192,12 @@ class SummariesPlugin:
                 self._write(session)
         finally:
             writer.close()  # drains tensorboardX's queue and flushes
+            mirror, self.mirror = self.mirror, None
+            if mirror is not None:
+                try:
+                    mirror.close()
+                finally:
+                    shutil.rmtree(mirror.local, ignore_errors=True)
 
 
 def plugin(config: Config) -> SummariesPlugin | None:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import loopkit
 from loopkit.plugins.npz_backend import NpzBackend
+from loopkit.plugins.staged_backend import local_or_staged
 
 NAME = "npz-compressed"
 
@@ -30,7 +31,10 @@ def checkpoint_backend_names() -> list[str]:
 
 
 @loopkit.hookimpl
-def checkpoint_backend(name: str, directory: Path, config: loopkit.Config):
+def checkpoint_backend(name: str, directory: Path | str, config: loopkit.Config):
     if name != NAME:
         return None
-    return CompressedNpzBackend(directory, config.checkpoint_basename, config)
+    basename = config.checkpoint_basename
+    # local files; under an s3:// or gs:// logdir, staged locally and uploaded
+    return local_or_staged(directory, basename,
+                           lambda d: CompressedNpzBackend(d, basename, config))

@@ -1,0 +1,312 @@
+"""Local paths and URLs (``s3://``, ``gs://``, any fsspec filesystem) behind one small surface.
+
+A local path keeps the durable file operations of `loopkit.fs` (fsync + atomic
+rename). A URL goes through fsspec, whose filesystems take credentials and
+endpoints from each service's standard environment (``AWS_ENDPOINT_URL``,
+``AWS_ACCESS_KEY_ID``, ...; Google's application default credentials and
+``STORAGE_EMULATOR_HOST``). On an object store there is neither rename nor
+fsync: one object's write is atomic, and a tree of objects is committed by a
+marker object written after the last of them (`MARKER`, the name orbax itself
+uses on GCS). See docs/storage.md.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import threading
+from pathlib import Path
+from typing import Any
+
+from loopkit.fs import atomic_write_bytes
+
+__all__ = [
+    "MARKER", "Mirror", "check_url", "exists", "filesystem", "is_dir", "is_url", "join",
+    "list_names", "makedirs", "name_of", "normalise", "parent", "read_bytes", "refuse_url", "remove",
+    "size_and_mtime", "upload_tree", "write_atomic",
+]
+
+#: the object that commits a tree of objects (a directory checkpoint) on a URL
+MARKER = "commit_success.txt"
+
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+#: scheme -> (the extra that brings its client, the modules it needs)
+_EXTRAS = {
+    "s3": ("s3", ("s3fs", "boto3")),
+    "s3a": ("s3", ("s3fs", "boto3")),
+    "gs": ("gcs", ("gcsfs",)),
+    "gcs": ("gcs", ("gcsfs",)),
+}
+
+def scheme_of(path: Any) -> str | None:
+    """The URL scheme of `path` (``"s3"``), or None for a local path (``file://`` too)."""
+    if not isinstance(path, str):
+        return None
+    m = _SCHEME.match(path)
+    if m is None or m.group(1).lower() == "file":
+        return None
+    return m.group(1).lower()
+
+
+def is_url(path: Any) -> bool:
+    """Whether `path` is a URL that fsspec reaches (not a local path)."""
+    return scheme_of(path) is not None
+
+
+def normalise(path: str | os.PathLike[str], field: str = "path") -> Path | str:
+    """An absolute `Path` for a local path (``file://`` stripped); a URL without its trailing ``/``.
+
+    A URL that cannot be reached fails here, naming `field` (see `check_url`).
+    """
+    if is_url(path):
+        check_url(str(path), field)
+        return str(path).rstrip("/")
+    text = os.fspath(path)
+    if isinstance(text, str) and text.lower().startswith("file://"):
+        text = text[len("file://"):]
+    return Path(text).absolute()
+
+
+def check_url(url: str, field: str = "path") -> None:
+    """Fail now, naming `field`, the URL and what to install, if `url` cannot be reached.
+
+    An unknown scheme raises `ValueError`; a known one whose client library is
+    missing raises `ImportError` naming the extra (``jax-loopkit[s3]``).
+    """
+    scheme = scheme_of(url)
+    if scheme is None:
+        return
+    extra = _EXTRAS.get(scheme)
+    if extra is not None:
+        missing = [m for m in ("fsspec", *extra[1]) if importlib.util.find_spec(m) is None]
+        if missing:
+            raise ImportError(
+                f"{field}={url!r} needs {', '.join(missing)}: install the extra "
+                f"jax-loopkit[{extra[0]}] (pip install 'jax-loopkit[{extra[0]}]')")
+        return
+    if importlib.util.find_spec("fsspec") is None:
+        raise ImportError(f"{field}={url!r} is a {scheme}:// URL, which needs fsspec "
+                          "(pip install fsspec); s3:// and gs:// come with the extras "
+                          "jax-loopkit[s3] and jax-loopkit[gcs]")
+    import fsspec
+
+    try:
+        fsspec.get_filesystem_class(scheme)
+    except ValueError:
+        raise ValueError(
+            f"{field}={url!r} has the unknown URL scheme {scheme!r}: expected a local path, "
+            "s3://, gs://, or a scheme fsspec knows (memory://, ...)") from None
+    except ImportError as e:
+        raise ImportError(f"{field}={url!r} needs the fsspec filesystem for {scheme}://: "
+                          f"{e}") from e
+
+
+def refuse_url(directory: Any, who: str) -> None:
+    """Fail clearly when a backend that writes local files is handed a URL."""
+    if is_url(directory):
+        raise ValueError(
+            f"{who} writes local files and was given the URL {directory!r}: build it through "
+            "loopkit.plugins.staged_backend.local_or_staged(directory, basename, make), which "
+            "stages it locally and uploads (docs/storage.md)")
+
+
+def filesystem(url: str) -> tuple[Any, str]:
+    """fsspec's filesystem for `url` and the path inside it."""
+    from fsspec.core import url_to_fs
+
+    return url_to_fs(url)
+
+
+def join(base: Path | str, *names: str) -> Path | str:
+    """`base` / `names`: a `Path` for a local base, a URL string for a URL."""
+    if is_url(base):
+        return "/".join([str(base).rstrip("/"), *names])
+    return Path(base).joinpath(*names)
+
+
+def name_of(path: Path | str) -> str:
+    """The last component of a path or URL."""
+    return str(path).rstrip("/").rsplit("/", 1)[-1]
+
+
+def parent(path: Path | str) -> Path | str:
+    """The directory (or prefix) holding `path`."""
+    if is_url(path):
+        return str(path).rstrip("/").rsplit("/", 1)[0]
+    return Path(path).parent
+
+
+def is_dir(path: Path | str) -> bool:
+    if is_url(path):
+        fs, p = filesystem(str(path))
+        fs.invalidate_cache(p)
+        return fs.isdir(p)
+    return os.path.isdir(path)
+
+
+def size_and_mtime(path: Path | str) -> tuple[int, float]:
+    """Total bytes and the newest modification time (epoch seconds) of a file or tree.
+
+    `FileNotFoundError` when nothing is there.
+    """
+    if not is_url(path):
+        path = Path(path)
+        if path.is_file():
+            st = path.stat()
+            return st.st_size, st.st_mtime
+        total, newest = 0, path.stat().st_mtime
+        for root, _dirs, files in os.walk(path):
+            for f in files:
+                try:
+                    st = os.stat(os.path.join(root, f))
+                except FileNotFoundError:  # deleted while we look
+                    continue
+                total += st.st_size
+        return total, newest
+    fs, p = filesystem(str(path))
+    entries = fs.find(p, detail=True)
+    if not entries:
+        raise FileNotFoundError(path)
+    total, newest = 0, 0.0
+    for name, info in entries.items():
+        total += int(info.get("size") or 0)
+        stamp = info.get("LastModified") or info.get("mtime") or info.get("created")
+        if stamp is None:
+            stamp = fs.modified(name)
+        newest = max(newest, stamp if isinstance(stamp, (int, float)) else stamp.timestamp())
+    return total, newest
+
+
+def makedirs(path: Path | str) -> None:
+    """Create the directory `path` (nothing to create on an object store)."""
+    if is_url(path):
+        fs, p = filesystem(str(path))
+        fs.makedirs(p, exist_ok=True)
+    else:
+        Path(path).mkdir(parents=True, exist_ok=True)
+
+
+def read_bytes(path: Path | str) -> bytes:
+    """The contents of one file or object; `FileNotFoundError` when there is none."""
+    if is_url(path):
+        fs, p = filesystem(str(path))
+        return fs.cat_file(p)
+    return Path(path).read_bytes()
+
+
+def write_atomic(path: Path | str, data: bytes) -> None:
+    """Replace one file so that a reader (or a crash) meets the old one or the new one.
+
+    Local: a temporary file, fsync, rename, fsync of the directory. A URL: one
+    object write (a single PUT, atomic on an object store).
+    """
+    if is_url(path):
+        fs, p = filesystem(str(path))
+        fs.pipe_file(p, data)
+    else:
+        atomic_write_bytes(path, data)
+
+
+def exists(path: Path | str) -> bool:
+    if is_url(path):
+        fs, p = filesystem(str(path))
+        return fs.exists(p)
+    return os.path.exists(path)
+
+
+def list_names(path: Path | str) -> dict[str, bool]:
+    """Name -> is a directory, of the entries directly in `path` (fresh, never cached)."""
+    if not is_url(path):
+        try:
+            return {e.name: e.is_dir(follow_symlinks=False) for e in os.scandir(path)}
+        except (FileNotFoundError, NotADirectoryError):
+            return {}
+    fs, p = filesystem(str(path))
+    fs.invalidate_cache(p)  # s3fs and gcsfs cache listings; a poller must see new objects
+    try:
+        entries = fs.ls(p, detail=True, refresh=True)
+    except FileNotFoundError:
+        return {}
+    return {name_of(e["name"]): e["type"] == "directory" for e in entries}
+
+
+def remove(path: Path | str) -> None:
+    """Remove a file, an object, or a directory / prefix and all it holds (none: nothing)."""
+    if is_url(path):
+        fs, p = filesystem(str(path))
+        try:
+            fs.rm(p, recursive=True)
+        except FileNotFoundError:
+            pass
+        fs.invalidate_cache(p)
+    elif os.path.isdir(path):
+        import shutil
+
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+def upload_tree(local: Path, url: str) -> None:
+    """Copy every file under the local directory `local` to the same names under `url`."""
+    fs, base = filesystem(url)
+    for f in sorted(p for p in Path(local).rglob("*") if p.is_file()):
+        fs.put_file(str(f), f"{base}/{f.relative_to(local).as_posix()}")
+    fs.invalidate_cache(base)
+
+
+class Mirror:
+    """Keeps copies of a local directory's files under a URL, uploaded off the caller's thread.
+
+    `sync()` asks for an upload of every file that changed since the last one and
+    returns at once; `close()` uploads what is left and waits. An error in the
+    background is re-raised by the next `sync` or by `close`.
+    """
+
+    def __init__(self, local: Path, url: str) -> None:
+        self.local, self.url = Path(local), url
+        self._sent: dict[str, tuple[int, int]] = {}
+        self._wanted = threading.Event()
+        self._closing = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="loopkit-mirror", daemon=True)
+        self._thread.start()
+
+    def sync(self) -> None:
+        self._raise()
+        self._wanted.set()
+
+    def close(self) -> None:
+        self._closing = True
+        self._wanted.set()
+        self._thread.join()
+        self._upload()  # whatever arrived after the thread's last pass
+        self._raise()
+
+    def _raise(self) -> None:
+        error, self._error = self._error, None
+        if error is not None:
+            raise OSError(f"copying {self.local} to {self.url} failed: {error}") from error
+
+    def _run(self) -> None:
+        while not self._closing:
+            self._wanted.wait()
+            self._wanted.clear()
+            try:
+                self._upload()
+            except Exception as e:  # noqa: BLE001 - handed to the caller's thread
+                self._error = e
+
+    def _upload(self) -> None:
+        fs, base = filesystem(self.url)
+        for name in sorted(os.listdir(self.local)):
+            src = self.local / name
+            st = src.stat()
+            if not src.is_file() or self._sent.get(name) == (st.st_size, st.st_mtime_ns):
+                continue
+            fs.put_file(str(src), f"{base}/{name}")
+            self._sent[name] = (st.st_size, st.st_mtime_ns)

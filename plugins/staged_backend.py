@@ -1,0 +1,208 @@
+"""A local-file checkpoint backend's checkpoints kept under a URL (``s3://``, ``gs://``, ...).
+
+The built-in backends write local files (orbax cannot write ``s3://`` at all:
+its tensorstore spec builder knows only ``gs://``). Under a URL, each save is
+written by the local backend into a staging directory on local disk, exactly
+as it would be in a local logdir (the same standard orbax checkpoint, the same
+npz file), then uploaded in the commit thread: every object of a directory
+checkpoint, then the marker object `loopkit.storage.MARKER` last; a file
+checkpoint is one object, whose write is atomic. So on the store a checkpoint is
+committed once its last object is written: `steps` lists a directory only once
+its marker is there, and a partial upload left by a crash is never listed and
+is removed by the next run's first save. The staged copy is removed once
+uploaded. Reading downloads the checkpoint into the staging directory and reads
+it there. See docs/storage.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from loopkit import storage
+from loopkit.errors import CheckpointError
+
+__all__ = ["StagedBackend", "local_or_staged"]
+
+log = logging.getLogger("loopkit")
+
+
+_STAGE = "loopkit-stage-"
+
+
+def local_or_staged(directory: Path | str, basename: str, make: Callable[[Path | str], Any]) -> Any:
+    """``make(directory)`` for a local directory; under a URL, `StagedBackend` over ``make``.
+
+    What a plugin's `checkpoint_backend` hook returns for a backend that writes local
+    files, so that it works under ``s3://`` and ``gs://`` logdirs too.
+    """
+    if storage.is_url(directory):
+        return StagedBackend(str(directory), basename, make)
+    return make(directory)
+
+
+def _remove_dead_stages() -> None:
+    """Remove staging directories of processes that died (a crash leaves its stage)."""
+    root = Path(tempfile.gettempdir())
+    for d in root.glob(f"{_STAGE}*-*"):
+        pid = d.name[len(_STAGE):].split("-", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(d, ignore_errors=True)
+        except PermissionError:
+            pass  # alive, another user's
+
+
+class StagedBackend:
+    """Checkpoints under `url`, written and read by the local backend ``make_local(stage_dir)``."""
+
+    def __init__(self, url: str, basename: str, make_local: Callable[[Path], Any]) -> None:
+        import jax
+
+        if jax.process_count() > 1:
+            raise ValueError(
+                f"checkpoints under the URL {url!r} are staged on local disk and uploaded by "
+                f"one process; this run has {jax.process_count()} processes: use a directory "
+                "every process shares (see docs/storage.md)")
+        self.url = url
+        self.basename = basename
+        _remove_dead_stages()
+        self._stage = Path(tempfile.mkdtemp(prefix=f"{_STAGE}{os.getpid()}-"))
+        self.local = make_local(self._stage)
+        suffix = self.local_name(0)[len(f"{basename}-0"):]
+        self._name = re.compile(re.escape(basename) + r"-(0|[1-9][0-9]*)" + re.escape(suffix))
+        self._pending: int | None = None  # saved locally, not yet uploaded
+        self._fetched: set[int] = set()  # downloaded into the stage for reading
+        self._cleaned = False
+
+    def local_name(self, step: int) -> str:
+        return Path(self.local.path(step)).name
+
+    def path(self, step: int) -> str:
+        """The URL of ``step``: ``<url>/<basename>-<step>`` (with the local backend's extension)."""
+        return str(storage.join(self.url, self.local_name(step)))
+
+    # -- writing --
+
+    def save(self, step: int, state: Any, metadata: dict) -> None:
+        """Start the local save of ``step``; `wait` finishes it and uploads it."""
+        self.wait()
+        step = int(step)
+        self._discard_local(step)
+        self.local.save(step, state, metadata)
+        self._pending = step
+
+    def wait(self) -> None:
+        """Block until the pending save is written locally and uploaded (committed)."""
+        step, self._pending = self._pending, None
+        if step is None:
+            return
+        try:
+            self.local.wait()
+            self._upload(step)
+        finally:
+            self._discard_local(step)
+
+    def _upload(self, step: int) -> None:
+        if not self._cleaned:  # only a writer cleans: a reader may watch a save in progress
+            self._remove_partial()
+            self._cleaned = True
+        src, dst = Path(self.local.path(step)), self.path(step)
+        fs, base = storage.filesystem(dst)
+        try:
+            if src.is_dir():
+                storage.remove(dst)  # a partial upload of this step, or the one it replaces
+                storage.upload_tree(src, dst)
+                fs.pipe_file(f"{base}/{storage.MARKER}", b"")  # last: commits the upload
+            else:
+                fs.put_file(str(src), base)
+        except Exception as e:
+            raise CheckpointError(f"uploading checkpoint {dst} failed: {e}") from e
+        fs.invalidate_cache(base)
+
+    def _remove_partial(self) -> None:
+        """Remove directory checkpoints whose upload never finished (no marker)."""
+        for name, is_dir in storage.list_names(self.url).items():
+            if is_dir and self._name.fullmatch(name):
+                url = str(storage.join(self.url, name))
+                if not storage.exists(str(storage.join(url, storage.MARKER))):
+                    log.warning("loopkit: removing %s, a checkpoint whose upload never "
+                                "finished", url)
+                    storage.remove(url)
+
+    def _discard_local(self, step: int) -> None:
+        storage.remove(Path(self.local.path(step)))
+        self._fetched.discard(step)
+
+    # -- listing --
+
+    def steps(self) -> list[int]:
+        """The committed steps under the URL, ascending."""
+        found = []
+        for name, is_dir in storage.list_names(self.url).items():
+            m = self._name.fullmatch(name)
+            if m is None or int(m.group(1)) == self._pending:
+                continue
+            if is_dir and not storage.exists(str(storage.join(self.url, name, storage.MARKER))):
+                continue  # an upload in progress, or one a crash cut short
+            found.append(int(m.group(1)))
+        return sorted(found)
+
+    def delete(self, step: int) -> None:
+        """Remove the checkpoint of ``step``: its marker first, so it is never half-listed."""
+        if self._pending == step:
+            self.wait()
+        url = self.path(step)
+        marker = str(storage.join(url, storage.MARKER))
+        if storage.exists(marker):
+            storage.remove(marker)
+        storage.remove(url)
+        self._discard_local(step)
+
+    # -- reading --
+
+    def _fetch(self, step: int) -> None:
+        """Download ``step`` into the stage, where the local backend reads it."""
+        if step in self._fetched:
+            return
+        url, dst = self.path(step), Path(self.local.path(step))
+        fs, base = storage.filesystem(url)
+        self._discard_local(step)
+        if fs.isdir(base):
+            if not fs.exists(f"{base}/{storage.MARKER}"):
+                raise FileNotFoundError(f"checkpoint {url} is not committed (no {storage.MARKER})")
+            fs.get(base + "/", str(dst) + "/", recursive=True)
+            (dst / storage.MARKER).unlink(missing_ok=True)
+        else:
+            fs.get_file(base, str(dst))  # FileNotFoundError when there is none
+        self._fetched.add(step)
+
+    def restore(self, step: int, like: Any = None) -> tuple[Any, dict]:
+        self._fetch(step)
+        return self.local.restore(step, like)
+
+    def structure(self, step: int) -> dict[str, Any]:
+        self._fetch(step)
+        return self.local.structure(step)
+
+    def restore_leaves(self, step: int, paths: Sequence[str]) -> dict[str, Any]:
+        self._fetch(step)
+        return self.local.restore_leaves(step, paths)
+
+    def close(self) -> None:
+        """Finish the pending upload, close the local backend, remove the stage."""
+        try:
+            self.wait()
+        finally:
+            try:
+                self.local.close()
+            finally:
+                shutil.rmtree(self._stage, ignore_errors=True)

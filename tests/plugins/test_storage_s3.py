@@ -1,0 +1,293 @@
+"""Training on an ``s3://`` logdir, against a real S3 server (moto's) on 127.0.0.1.
+
+The server is started here on a free port and stopped after; the standard AWS
+environment (``AWS_ENDPOINT_URL`` and credentials) points every part of loopkit
+at it for each test only. Nothing leaves the machine.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import loopkit
+from loopkit import storage
+
+pytest.importorskip("moto.server")
+pytest.importorskip("s3fs")
+
+WORKER = Path(__file__).with_name("crash_worker.py")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint():
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per request
+    port = _free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def bucket(s3_endpoint, monkeypatch, tmp_path) -> str:
+    """A fresh bucket on the local server; the AWS environment set for this test only."""
+    import boto3
+    import s3fs
+
+    env = {
+        "AWS_ENDPOINT_URL": s3_endpoint,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_REGION": "us-east-1",
+        # no user configuration or instance metadata may take part
+        "AWS_CONFIG_FILE": str(tmp_path / "no-aws-config"),
+        "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "no-aws-credentials"),
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    s3fs.S3FileSystem.clear_instance_cache()  # clients built for another test's environment
+    name = f"loopkit-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3").create_bucket(Bucket=name)
+    yield name
+    s3fs.S3FileSystem.clear_instance_cache()
+
+
+def _objects(bucket: str, prefix: str = "") -> list[str]:
+    import boto3
+
+    pages = boto3.client("s3").get_paginator("list_objects_v2").paginate(
+        Bucket=bucket, Prefix=prefix)
+    return sorted(o["Key"] for page in pages for o in page.get("Contents", []))
+
+
+def step_fn(state, batch):
+    w = state["w"] * 0.5 + batch
+    return {"w": w, "h": (w[:2] * 3).astype(jnp.bfloat16), "n": state["n"] + 1}, \
+        {"loss": jnp.sum(w)}
+
+
+def init():
+    return {"w": jnp.arange(8, dtype=jnp.float32), "h": jnp.zeros((2,), jnp.bfloat16),
+            "n": jnp.zeros((), jnp.int32)}
+
+
+def data(start):
+    return (np.full(8, i % 7, np.float32) for i in range(start, 10_000))
+
+
+def train(logdir, backend, max_steps, **kw):
+    kw = dict(save_model_steps=2, save_model_secs=None, max_to_keep=2,
+              disable=("summaries",), progress=False, autoload=False) | kw
+    return loopkit.train(step_fn, init=init, data=data, logdir=logdir,
+                         checkpoint_backend=backend, max_steps=max_steps, **kw)
+
+
+def assert_bitwise(a, b):
+    for k in a:
+        assert np.asarray(a[k]).dtype == np.asarray(b[k]).dtype, k
+        assert np.asarray(a[k]).tobytes() == np.asarray(b[k]).tobytes(), k
+
+
+@pytest.mark.parametrize("backend,name", [("npz", "model.ckpt-{}.npz"), ("orbax", "model.ckpt-{}")])
+def test_train_on_s3_keeps_checkpoints_there_and_resumes_exactly(
+        bucket, tmp_path, backend, name):
+    url = f"s3://{bucket}/runs/a"
+    first = train(url, backend, 6)
+    assert first.step == 6
+    keys = _objects(bucket, "runs/a/")
+    # retention (max_to_keep=2) ran on the store; the checkpoint file names the latest
+    stored = {k.split("/")[2] for k in keys}
+    assert stored == {"checkpoint", name.format(4), name.format(6)}
+    text = storage.read_bytes(f"{url}/checkpoint").decode()
+    assert 'model_checkpoint_path: "model.ckpt-6"' in text
+    if backend == "orbax":  # each directory committed by its marker, written last
+        assert f"runs/a/model.ckpt-6/{storage.MARKER}" in keys
+    assert not any(Path(p).name.startswith("loopkit-stage-") for p in os.listdir(tmp_path))
+
+    resumed = train(url, backend, 10)
+    local = train(tmp_path / "local", backend, 10)
+    assert resumed.step == local.step == 10
+    assert_bitwise(resumed.state, local.state)
+
+
+def test_orbax_checkpoint_on_s3_is_a_standard_orbax_checkpoint(bucket, tmp_path):
+    import orbax.checkpoint as ocp
+    import s3fs
+
+    url = f"s3://{bucket}/run"
+    result = train(url, "orbax", 2)
+    s3fs.S3FileSystem().get(f"{bucket}/run/model.ckpt-2/", str(tmp_path / "ck") + "/",
+                            recursive=True)
+    import jax
+
+    got = ocp.StandardCheckpointer().restore(tmp_path / "ck", jax.eval_shape(init))
+    assert_bitwise(got, result.state)
+
+
+@pytest.mark.parametrize("backend", ["npz", "orbax"])
+def test_helpers_and_cli_take_the_url(bucket, backend):
+    url = f"s3://{bucket}/run"
+    result = train(url, backend, 4)
+    assert loopkit.latest_checkpoint(url) == (4, f"{url}/model.ckpt-4")
+    assert_bitwise(loopkit.load_checkpoint(url, like=init()), result.state)
+    earlier = loopkit.load_checkpoint(f"{url}/model.ckpt-2")
+    assert int(earlier["n"]) == 2
+    assert list(loopkit.checkpoints_iterator(url, timeout=0)) == [(4, f"{url}/model.ckpt-4")]
+    # from_pretrained chooses leaves from the structure, then reads only them
+    fn = loopkit.from_pretrained(url, include=["w"])
+    fresh = fn(init())
+    np.testing.assert_array_equal(fresh["w"], result.state["w"])
+    assert int(fresh["n"]) == 0
+
+    out = subprocess.run([sys.executable, "-m", "loopkit", "checkpoints", url],
+                         capture_output=True, text=True, env=dict(os.environ), timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert len(lines) == 2
+    assert "step 2" in lines[0] and "step 4" in lines[1]
+    assert lines[1].endswith("<- latest (a restart recovers this one)")
+
+
+def test_a_partial_upload_is_skipped_and_cleaned_up(bucket, tmp_path):
+    import boto3
+
+    url = f"s3://{bucket}/run"
+    train(url, "orbax", 4)
+    # what a crash in the middle of uploading step 6 leaves: objects, no marker
+    client = boto3.client("s3")
+    for key in ("_METADATA", "_CHECKPOINT_METADATA", "d/0123"):
+        client.put_object(Bucket=bucket, Key=f"run/model.ckpt-6/{key}", Body=b"partial")
+    assert loopkit.latest_checkpoint(url) == (4, f"{url}/model.ckpt-4")
+
+    resumed = train(url, "orbax", 5, save_model_steps=None)  # one save, at the stop
+    assert resumed.step == 5
+    assert not any(k.startswith("run/model.ckpt-6/") for k in _objects(bucket, "run/"))
+    assert_bitwise(resumed.state, train(tmp_path / "local", "orbax", 5).state)
+
+
+def test_an_evaluator_follows_a_trainer_through_checkpoints_iterator(bucket):
+    url = f"s3://{bucket}/run"
+    seen: list[tuple[int, int]] = []
+    trainer_done = threading.Event()
+
+    def evaluate():
+        # polls the store (listings are never cached) until the trainer is done
+        for step, path in loopkit.checkpoints_iterator(url, timeout=None, poll_secs=0.05):
+            seen.append((step, int(loopkit.load_checkpoint(path)["n"])))
+            if step == 12:
+                return
+
+    evaluator = threading.Thread(target=evaluate, daemon=True)
+    evaluator.start()
+
+    def slow(start):
+        for batch in data(start):
+            time.sleep(0.02)
+            yield batch
+
+    try:
+        loopkit.train(step_fn, init=init, data=slow, logdir=url, checkpoint_backend="npz",
+                      max_steps=12, save_model_steps=3, save_model_secs=None,
+                      disable=("summaries",), progress=False, autoload=False)
+    finally:
+        trainer_done.set()
+    evaluator.join(timeout=60)
+    assert not evaluator.is_alive()
+    assert seen and seen[-1] == (12, 12)
+    assert all(step == n and step % 3 == 0 for step, n in seen)
+    assert [s for s, _ in seen] == sorted({s for s, _ in seen})
+
+
+def test_events_on_s3_read_back_with_tensorboard(bucket, tmp_path):
+    import s3fs
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    url = f"s3://{bucket}/run"
+    train(url, "npz", 6, disable=(), save_summaries_steps=2, save_summaries_secs=None)
+    train(url, "npz", 8, disable=(), save_summaries_steps=2, save_summaries_secs=None)
+    events = [k for k in _objects(bucket, "run/") if "tfevents" in k]
+    assert len(events) == 2  # one file per session, in creation order
+    s3fs.S3FileSystem().get(f"{bucket}/run/", str(tmp_path / "dl") + "/", recursive=True)
+    acc = EventAccumulator(str(tmp_path / "dl"), size_guidance={"scalars": 0})
+    acc.Reload()
+    steps = [e.step for e in acc.Scalars("loss")]
+    assert steps == [2, 4, 6, 8]
+    assert not any(Path(p).name.startswith("loopkit-events-") for p in os.listdir(tmp_path))
+
+
+def _load_worker():
+    spec = importlib.util.spec_from_file_location("loopkit_crash_worker_s3", WORKER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_sigkill_during_saves_to_s3_then_resume_equals_uninterrupted(bucket, tmp_path):
+    max_steps, save_steps = 30, 3
+    w = _load_worker()
+    reference = loopkit.train(w.step_fn, init=w.init, data=w.data, max_steps=max_steps,
+                              checkpoint_backend=None, disable=("summaries",),
+                              progress=False, autoload=False).state
+    url, out, log = f"s3://{bucket}/run", tmp_path / "final.npz", tmp_path / "stderr.txt"
+    env = dict(os.environ, LOOPKIT_DISABLE_PLUGIN_AUTOLOAD="1")
+    starts, kills = [], 0
+    for life in range(6):
+        with open(log, "ab") as err:
+            proc = subprocess.Popen(
+                [sys.executable, str(WORKER), url, "orbax", str(max_steps), str(save_steps),
+                 str(out)], stdout=subprocess.PIPE, stderr=err, env=env, text=True)
+            lines = iter(proc.stdout)
+            started = next((x for x in lines if x.startswith("started")), None)
+            if started is not None:
+                starts.append(int(started.split()[1]))
+            if kills < 2 and started is not None:
+                # into the upload of this life's third save (two are committed by then)
+                for _ in range(3):
+                    next((x for x in lines if x.startswith("save")), None)
+                time.sleep(0.02 * (life + 1))
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGKILL)
+                    kills += 1
+            for _ in lines:
+                pass
+            rc = proc.wait(timeout=120)
+        if rc == 0:
+            break
+        assert rc == -signal.SIGKILL, log.read_text()[-3000:]
+    else:
+        pytest.fail("the run did not finish")
+    assert kills == 2
+    errors = log.read_text()
+    for bad in ("unreadable", "not a committed", "Traceback", "CheckpointError"):
+        assert bad not in errors, errors[-3000:]
+    assert starts == sorted(starts) and starts[-1] > 0
+    final = dict(np.load(out))
+    for key, want in reference.items():
+        want = np.asarray(want.astype(jnp.float32) if key == "h" else want)
+        assert final[key].tobytes() == want.tobytes(), key
+    assert loopkit.latest_checkpoint(url) == (max_steps, f"{url}/model.ckpt-{max_steps}")
