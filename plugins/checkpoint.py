@@ -287,12 +287,13 @@ class CheckpointPlugin:
             ),
             "timestamp": time.time(),
         }
-        backend.save(step, session.state, metadata)
+        # The backend may read in the background: the state staged so that the
+        # next steps donate none of what it reads, kept until the save commits.
+        staged = session.stage_state()
+        backend.save(step, staged.state, metadata)
         self._last_save_step = step
-        # The backend may still read these buffers: the next step must not donate them.
-        session.skip_donation_once()
         self._commit = threading.Thread(
-            target=self._committer, args=(session, step, metadata["timestamp"]),
+            target=self._committer, args=(session, step, metadata["timestamp"], staged),
             name=f"loopkit-checkpoint-commit-{step}",
             daemon=True,  # a backend that never commits must not keep the process alive
         )
@@ -310,10 +311,11 @@ class CheckpointPlugin:
         self.backend.delete(step)
         self._on_disk.discard(step)
 
-    def _committer(self, session: Any, step: int, timestamp: float) -> None:
+    def _committer(self, session: Any, step: int, timestamp: float, staged: Any) -> None:
         try:
             assert self.backend is not None
             self.backend.wait()
+            del staged  # read and written: the buffers may be donated again
             self._on_disk.add(step)
             if session.is_chief:
                 self._publish(step, timestamp)
