@@ -276,10 +276,11 @@ class CompiledStep:
         part = []
         for i, pin in zip(layout.rewritten, pins):
             x = leaves[i]
-            if not isinstance(x, jax.Array):
-                x = jnp.asarray(x)  # the same signature at every call: one compile
-            if pin is not None and x.sharding != pin:
+            # an array placed as the step's output will be: one signature, one compile
+            if pin is not None and (not isinstance(x, jax.Array) or x.sharding != pin):
                 x = jax.device_put(x, pin)
+            elif not isinstance(x, jax.Array):
+                x = jnp.asarray(x)
             part.append(x)
         return (tuple(part), values)
 
