@@ -175,7 +175,10 @@ class CompiledStep:
         if not self.donates or self._protect:
             return Staged(state, None)  # the next call donates nothing
         if self.by_views:
-            return Staged(state, _views(self._donated_leaves()))
+            try:
+                return Staged(state, _views(self._donated_leaves()))
+            except ValueError:  # an array whose shards have no host view: as off CPU
+                pass
         donated = {id(x) for x in self._donated_leaves()}
         return Staged(jax.tree.map(lambda x: _to_host(x) if id(x) in donated else x, state),
                       None)
@@ -294,8 +297,12 @@ class CompiledStep:
         if not self.donates:
             return self._normal(live, *batch)
         if self.by_views:
-            hold = _views(jax.tree.leaves(live))  # noqa: F841 - XLA won't donate these
-            return self._normal(live, *batch)
+            try:
+                hold = _views(jax.tree.leaves(live))  # noqa: F841 - XLA won't donate these
+            except ValueError:  # an array whose shards have no host view: as off CPU
+                hold = None
+            if hold is not None:
+                return self._normal(live, *batch)
         if self.user_jitted:
             # one compile for the whole tree, never one per leaf
             copier = self._copier = self._copier or jax.jit(
