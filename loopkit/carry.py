@@ -24,9 +24,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping, Sequence
 
-import jax
-
-__all__ = ["StepCarry", "with_carries"]
+__all__ = ["StepCarry", "attach", "first_values", "update_all"]
 
 PyTree = Any
 
@@ -77,47 +75,40 @@ class StepCarry:
 
 
 class _Store:
-    """Every carry's value in one tuple, so the step reads and writes it in one go."""
+    """Every carry's value in one tuple, held by the compiled step between steps.
 
-    values: tuple | None = None
-
-
-def with_carries(step_fn: Callable[..., Any], carries: Sequence[StepCarry]
-                 ) -> tuple[Callable[..., Any], Callable[[Callable[..., Any]], Callable[..., Any]]]:
-    """Fold `carries` into `step_fn`.
-
-    Returns ``(inner, host)``: `inner((state, values), *batch) -> ((state, values),
-    metrics)` is what to jit (the carried values ride with the state, so they are
-    donated with it), and `host(jitted)` turns a jitted `inner` back into the
-    ``(state, *batch) -> (state, metrics)`` the loop calls, keeping each carry's
-    `value` up to date.
+    The loop keeps ``(state part, values)`` as one donated argument of the jitted
+    step; `values` reads and writes the second half there, so nothing runs per step.
     """
-    carries = tuple(carries)
-    store = _Store()
+
+    def __init__(self, owner: Any) -> None:
+        self._owner = owner  # a `loopkit.step.CompiledStep`
+
+    @property
+    def values(self) -> tuple | None:
+        live = self._owner.live
+        return None if live is None else live[1]
+
+    @values.setter
+    def values(self, new: tuple) -> None:
+        self._owner.live = (self._owner.live[0], tuple(new))
+
+
+def attach(carries: Sequence[StepCarry], owner: Any) -> None:
+    """Make `carries` read and write their values in `owner.live[1]`."""
+    store = _Store(owner)
     for i, c in enumerate(carries):
         c._store, c._index = store, i
 
-    def inner(pair: tuple[PyTree, tuple], *batch: Any) -> Any:
-        state, values = pair
-        state, metrics = step_fn(state, *batch)
-        values = tuple(c.update(v, state, metrics) for c, v in zip(carries, values))
-        return (state, values), metrics
 
-    def start(state: Any, *batch: Any) -> None:
-        # the carries' shapes follow the metrics, known once a batch is seen
-        like_state, like_metrics = jax.eval_shape(step_fn, state, *batch)
-        store.values = tuple(
-            c._value if c._value is not None else c.init(like_state, like_metrics)
-            for c in carries
-        )
+def first_values(carries: Sequence[StepCarry], like_state: PyTree,
+                 like_metrics: Mapping[str, Any]) -> tuple:
+    """The carries' values before the first step (a value set beforehand wins)."""
+    return tuple(c._value if c._value is not None else c.init(like_state, like_metrics)
+                 for c in carries)
 
-    def host(jitted: Callable[..., Any]) -> Callable[..., Any]:
-        def call(state: Any, *batch: Any) -> Any:
-            if store.values is None:
-                start(state, *batch)
-            (state, store.values), metrics = jitted((state, store.values), *batch)
-            return state, metrics
 
-        return call
-
-    return inner, host
+def update_all(carries: Sequence[StepCarry], values: tuple, state: PyTree,
+               metrics: Mapping[str, Any]) -> tuple:
+    """Every carry's next value, traced inside the step after ``step_fn``."""
+    return tuple(c.update(v, state, metrics) for c, v in zip(carries, values))

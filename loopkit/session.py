@@ -21,7 +21,7 @@ from loopkit.data import Lookahead, make_input
 from loopkit.pytree import abstract, check_matches, conform, trace_init
 from loopkit.scheduler import Scheduler, Timer, agree_across_processes
 from loopkit.stash import Stash, StashKey
-from loopkit.step import CompiledStep
+from loopkit.step import CompiledStep, Staged
 from loopkit.writer import write_values
 
 if TYPE_CHECKING:
@@ -37,6 +37,7 @@ __all__ = ["Session", "SessionStats", "Stash", "StashKey"]
 log = logging.getLogger("loopkit")
 
 PyTree = Any
+_STALE = object()  # Session._state: assemble it from the compiled step when read
 
 
 @dataclasses.dataclass
@@ -72,7 +73,7 @@ class Session:
         self.is_chief: bool = (
             config.is_chief if config.is_chief is not None else jax.process_index() == 0
         )
-        self.state: PyTree = None
+        self._state: PyTree = None
         self.step: int = 0
         self.metrics: Mapping[str, Any] = {}
         #: the chief's event writer while the summaries plugin runs (a tensorboardX
@@ -112,7 +113,9 @@ class Session:
         try:
             if self._before is not None:
                 self._before(session=self, step=self.step)
-            self.state, metrics = self._compiled.call(self.state, *batch)
+            c = self._compiled
+            c.live, metrics = c.call(c.live, *batch)
+            self._state = _STALE
             self.step = step = self.step + 1
             self.metrics = metrics
             if self._after is not None:
@@ -128,6 +131,20 @@ class Session:
     # -- what hooks and users call ---------------------------------------------------
 
     @property
+    def state(self) -> PyTree:
+        """The training state (the user's pytree) after the latest step."""
+        state = self._state
+        if state is _STALE:
+            state = self._state = self._compiled.state()
+        return state
+
+    @state.setter
+    def state(self, new: PyTree) -> None:
+        self._state = new
+        if self._compiled is not None:
+            self._compiled.set_state(new)
+
+    @property
     def clock(self) -> Callable[[], float]:
         """The session's clock (`time.monotonic` unless a test injected one).
 
@@ -135,13 +152,20 @@ class Session:
         """
         return self._clock
 
-    def skip_donation_once(self) -> None:
-        """Run the next step without donating the state (a second compiled variant).
+    def stage_state(self) -> Staged:
+        """The current state, safe to read from another thread while the loop goes on.
 
-        A saver that still reads the current state's buffers in the background
-        calls this: the next step then writes fresh buffers instead of reusing
-        the ones being saved.
+        The next steps donate (reuse) the buffers of the leaves they rewrite. A
+        saver that reads the state in the background calls this at the step
+        boundary and keeps the result referenced until it is done: on CPU the
+        result holds host views of those buffers (XLA then writes fresh ones);
+        elsewhere those leaves are copied to host memory here. Leaves the step
+        returns unchanged are neither copied nor donated.
         """
+        return self._compiled.stage(self.state)
+
+    def skip_donation_once(self) -> None:
+        """Run the next step without donating any buffer the current state holds."""
         self._compiled.skip_donation_once()
 
     def host_metrics(self) -> dict[str, Any]:
@@ -305,10 +329,10 @@ class Session:
                 restored is not None, self.config.data_sharding,
             )
         carries = [c for c in hook.step_carry(session=self) if c is not None]
-        self._compiled = CompiledStep(self._step_fn, self.config, carries)
-        # The first step never donates: the caller may still hold init's arrays
+        # The first call never donates: the caller may still hold init's arrays
         # (passed, or captured by an init callable), or a restore's.
-        self._compiled.skip_donation_once()
+        self._compiled = CompiledStep(self._step_fn, self.config, carries)
+        self._compiled.set_state(self._state)
         self._before = hook.before_step if hook.before_step.get_hookimpls() else None
         self._after = hook.after_step if hook.after_step.get_hookimpls() else None
         self._arm_stops()
@@ -372,7 +396,8 @@ class Session:
 
         if self._compiled is None:
             self._compiled = CompiledStep(ended, self.config.replace(jit=False))
-        self._compiled.call = self._compiled.donating = self._compiled.plain = ended
+            self._compiled.set_state(self._state)
+        self._compiled.end(ended)
         self._before = self._after = None
 
     def _annotate(self, ex: BaseException, fallback: bool = True) -> None:

@@ -1,18 +1,47 @@
-"""The compiled step: jitted (or the user's own jitted function), with donation variants."""
+"""The compiled step: one jitted function, its layout pinned, frozen leaves never donated.
+
+At the first call loopkit traces ``step_fn`` once with the first batch and sorts the
+state's leaves: those the step returns unchanged (the same traced value, e.g. frozen
+weights in a fine-tune) are *frozen*, the others are *rewritten*. It then jits one
+function ``inner(frozen, live, *batch) -> (live, metrics)``: `live` holds the
+rewritten leaves and every `StepCarry`'s value and is donated; `frozen` is passed in
+and never returned, so it is neither donated nor copied. The rewritten leaves'
+output shardings are pinned to their input shardings (those of `init` or of the
+restore), so XLA's propagation never re-lays a sharded state out.
+
+Protecting buffers without a second compile. The first step must not donate the
+caller's arrays, and a background saver must keep reading the buffers of the state
+it was given while the next steps run. On CPU a numpy view of a buffer is an
+external reference, and XLA does not donate a buffer that has one (it writes a
+fresh one): holding views costs nothing and needs no second variant. Elsewhere a
+save copies the leaves the next step rewrites to host memory (`stage`), and the
+first step runs a non-donating variant of the same function. A step the user
+jitted is called as given; its state is protected the same way (views, or a host
+copy), never copied leaf by leaf on the device.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+import functools
+import logging
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
-from loopkit.carry import with_carries
+from loopkit.carry import attach, first_values, update_all
 
 if TYPE_CHECKING:
     from loopkit.carry import StepCarry
     from loopkit.config import Config
 
-__all__ = ["CompiledStep", "is_jitted"]
+__all__ = ["CompiledStep", "Staged", "is_jitted"]
+
+log = logging.getLogger("loopkit")
+
+PyTree = Any
+_UNSET = object()
 
 
 def is_jitted(fn: Any) -> bool:
@@ -22,55 +51,287 @@ def is_jitted(fn: Any) -> bool:
     return callable(getattr(fn, "lower", None))
 
 
-def _copy(x: Any) -> Any:
-    return x.copy() if isinstance(x, jax.Array) else x
+def views_protect() -> bool:
+    """Whether holding numpy views of buffers keeps XLA from donating them (CPU)."""
+    return jax.default_backend() == "cpu"
+
+
+class Staged(NamedTuple):
+    """A state a background thread may read while the loop goes on (`Session.stage_state`)."""
+
+    #: the state to read: the session's, or with the leaves the next step
+    #: rewrites copied to host memory
+    state: PyTree
+    #: keep this referenced until the reading is done (on CPU: host views that
+    #: keep the next steps from donating the buffers being read)
+    hold: Any
+
+
+def _views(leaves: Sequence[Any]) -> list[np.ndarray]:
+    """Zero-copy host views of every addressable shard of the jax arrays in `leaves`."""
+    out = []
+    for x in leaves:
+        if isinstance(x, jax.Array):
+            if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+                x = jax.random.key_data(x)  # the key's own buffer
+            out.extend(np.asarray(s.data) for s in x.addressable_shards)
+    return out
+
+
+def _to_host(x: Any) -> Any:
+    """`x` copied to host memory, keeping its sharding where the platform can."""
+    if not isinstance(x, jax.Array):
+        return x
+    try:
+        return jax.device_put(x, x.sharding.with_memory_kind("pinned_host"))
+    except Exception:  # noqa: BLE001 - no host memory kinds here: a numpy copy
+        return np.array(x)
+
+
+class _Layout(NamedTuple):
+    treedef: Any
+    rewritten: tuple[int, ...]   # leaf indices the step rewrites (donated)
+    frozen: tuple[int, ...]      # leaf indices it returns unchanged (never donated)
+    pins: tuple[Any, ...] | None  # per rewritten leaf: its pinned sharding (None: none)
 
 
 class CompiledStep:
-    """`step_fn` as the loop calls it: a donating variant and a non-donating one.
+    """`step_fn` as the loop calls it: ``live, metrics = call(live, *batch)``.
 
-    `call` is what `Session.run` calls; `skip_donation_once()` makes the next call
-    use the non-donating variant, then goes back to the donating one.
+    `live` is what the step donates (`state` assembles the full state from it);
+    `set_state` replaces the state, split again at the next call.
     """
 
     def __init__(self, fn: Callable[..., Any], config: Config,
                  carries: Sequence[StepCarry] = ()) -> None:
-        host = None
-        if carries:
-            if is_jitted(fn):
-                wants = ", ".join(c.name for c in carries)
-                raise ValueError(
-                    f"{wants} needs loopkit to jit the step function, but {fn!r} is "
-                    "already jitted and loopkit calls it as given: pass the un-jitted "
-                    "function (loopkit jits it), or turn that option off"
-                )
-            fn, host = with_carries(fn, carries)
-        if is_jitted(fn):
-            # Already jitted, maybe with donate_argnums=0 that we cannot undo: the
-            # "plain" variant feeds it a copy, so the buffers a saver (or the
-            # caller's init) still holds are never donated.
-            def plain(state: Any, *batch: Any) -> Any:
-                return fn(jax.tree.map(_copy, state), *batch)
+        carries = tuple(carries)
+        self.user_jitted = is_jitted(fn)
+        if carries and self.user_jitted:
+            wants = ", ".join(c.name for c in carries)
+            raise ValueError(
+                f"{wants} needs loopkit to jit the step function, but {fn!r} is "
+                "already jitted and loopkit calls it as given: pass the un-jitted "
+                "function (loopkit jits it), or turn that option off"
+            )
+        self.fn, self.carries = fn, carries
+        self.jit = bool(config.jit) and not self.user_jitted
+        #: whether a call may donate the state's buffers (a user's jit may)
+        self.donates = self.user_jitted or (self.jit and bool(config.donate))
+        self.by_views = views_protect()
+        #: what the next call takes and donates: ``(rewritten leaves, carry values)``
+        #: (the state itself for a step the user jitted)
+        self.live: Any = None
+        self.frozen: tuple = ()
+        self.call: Callable[..., Any] = self._enter
+        self._pending: Any = _UNSET  # a state set from outside, split at the next call
+        self._protect = True  # the first call of a session never donates
+        self._layout: _Layout | None = None
+        self._donating: Any = None  # the jitted inner (donating where allowed)
+        self._plain: Any = None     # its non-donating variant, built on demand
+        self._normal: Callable[..., Any] | None = None
+        self._ended = False
+        self._ahead = False  # the donating variant compiled (off CPU)
+        self._copier: Any = None
+        self._firsts: tuple = ()
+        attach(carries, self)
 
-            donating = fn
-        elif not config.jit:
-            donating = plain = fn
-        else:
-            plain = jax.jit(fn)
-            donating = jax.jit(fn, donate_argnums=0) if config.donate else plain
-        if host is not None:
-            donating, plain = host(donating), (host(plain) if plain is not donating else None)
-            plain = plain or donating
-        self.donating, self.plain = donating, plain
-        self.call: Callable[..., Any] = donating
+    # -- the state ---------------------------------------------------------------------
+
+    def set_state(self, state: PyTree) -> None:
+        """Take `state` as the current state; it is split at the next call."""
+        self._pending = state
+        if not self._ended:
+            self.call = self._enter
+
+    def state(self) -> PyTree:
+        """The current state, assembled from `live` and the frozen leaves."""
+        if self._pending is not _UNSET:
+            return self._pending
+        layout, live = self._layout, self.live
+        if self.user_jitted or live is None:
+            return live
+        if layout is None:  # not jitted by loopkit, or a structure-changing step
+            return live[0]
+        leaves: list[Any] = [None] * layout.treedef.num_leaves
+        for i, x in zip(layout.rewritten, live[0]):
+            leaves[i] = x
+        for i, x in zip(layout.frozen, self.frozen):
+            leaves[i] = x
+        return layout.treedef.unflatten(leaves)
+
+    def _donated_leaves(self) -> list[Any]:
+        if self._pending is not _UNSET:
+            state = self._pending
+            if self._layout is None:
+                return jax.tree.leaves(state)
+            leaves = self._layout.treedef.flatten_up_to(state)
+            return [leaves[i] for i in self._layout.rewritten]
+        if self.user_jitted or self._layout is None:
+            return jax.tree.leaves(self.state())
+        return list(self.live[0])
+
+    def stage(self, state: PyTree) -> Staged:
+        """`state` made safe to read from another thread while the next steps run."""
+        if not self.donates or self._protect:
+            return Staged(state, None)  # the next call donates nothing
+        if self.by_views:
+            try:
+                return Staged(state, _views(self._donated_leaves()))
+            except ValueError:  # an array whose shards have no host view: as off CPU
+                pass
+        donated = {id(x) for x in self._donated_leaves()}
+        return Staged(jax.tree.map(lambda x: _to_host(x) if id(x) in donated else x, state),
+                      None)
 
     def skip_donation_once(self) -> None:
-        if self.plain is self.donating:
+        """Make the next call donate nothing the current state holds."""
+        self._protect = True
+        if not self._ended:
+            self.call = self._enter
+
+    def end(self, ended: Callable[..., Any]) -> None:
+        """The session is over: every call now goes to `ended`."""
+        self._ended = True
+        self.call = self._normal = ended
+
+    # -- the first call: trace, sort the leaves, jit ---------------------------------------
+
+    def _enter(self, live: Any, *batch: Any) -> Any:
+        """Split a newly set state (building the step at the first call), then step."""
+        if self._pending is not _UNSET:
+            if self._normal is None:
+                self._build(self._pending, batch)
+            self.live = self._split(self._pending)
+            self._pending = _UNSET
+            self._bind()
+        live = self.live
+        assert self._normal is not None
+        self.call = self._normal
+        if self._protect:
+            self._protect = False
+            return self._protected(live, *batch)
+        return self._normal(live, *batch)
+
+    def _build(self, state: PyTree, batch: tuple) -> None:
+        fn, carries = self.fn, self.carries
+        if self.user_jitted:
+            self._normal = fn
             return
-        donating, plain = self.donating, self.plain
+        like_state = like_metrics = None
+        if self.jit:
+            closed, (like_state, like_metrics) = jax.make_jaxpr(fn, return_shape=True)(
+                state, *batch)
+            leaves, treedef = jax.tree.flatten(state)
+            if jax.tree.structure(like_state) == treedef:
+                n, jaxpr = len(leaves), closed.jaxpr
+                frozen = tuple(i for i in range(n) if jaxpr.outvars[i] is jaxpr.invars[i])
+                rewritten = tuple(i for i in range(n) if i not in set(frozen))
+                self._layout = _Layout(treedef, rewritten, frozen,
+                                       _pins([leaves[i] for i in rewritten]))
+            else:
+                log.info("loopkit: the step returns a state of another structure; "
+                         "its layout is not pinned and every leaf is donated")
+        elif carries:
+            like_state, like_metrics = jax.eval_shape(fn, state, *batch)
+        self._firsts = first_values(carries, like_state, like_metrics) if carries else ()
+        layout = self._layout
+        if layout is None:
+            def inner(frozen: tuple, live: Any, *batch: Any) -> Any:
+                state, values = live
+                new, metrics = fn(state, *batch)
+                return (new, update_all(carries, values, new, metrics)), metrics
+        else:
+            treedef, rw, fz = layout.treedef, layout.rewritten, layout.frozen
+            size = treedef.num_leaves
 
-        def once(*args: Any) -> Any:
-            self.call = donating
-            return plain(*args)
+            def inner(frozen: tuple, live: Any, *batch: Any) -> Any:
+                part, values = live
+                leaves: list[Any] = [None] * size
+                for i, x in zip(rw, part):
+                    leaves[i] = x
+                for i, x in zip(fz, frozen):
+                    leaves[i] = x
+                new, metrics = fn(treedef.unflatten(leaves), *batch)
+                out = treedef.flatten_up_to(new)
+                return (tuple(out[i] for i in rw),
+                        update_all(carries, values, new, metrics)), metrics
 
-        self.call = once
+        if not self.jit:
+            self._donating = self._plain = inner
+            return
+        kw: dict[str, Any] = {}
+        if layout is not None and layout.pins is not None:
+            kw["out_shardings"] = ((layout.pins, None), None)
+        self._donating = jax.jit(inner, donate_argnums=1 if self.donates else (), **kw)
+        self._plain = jax.jit(inner, **kw) if self.donates else self._donating
+
+    def _split(self, state: PyTree) -> Any:
+        """The state's donated part (and the carries' values), as the next call takes it."""
+        if self.user_jitted:
+            return state
+        values = self.live[1] if self.live is not None else self._firsts
+        layout = self._layout
+        if layout is None:
+            return (state, values)
+        leaves = layout.treedef.flatten_up_to(state)
+        self.frozen = tuple(leaves[i] for i in layout.frozen)
+        pins = layout.pins or (None,) * len(layout.rewritten)
+        part = []
+        for i, pin in zip(layout.rewritten, pins):
+            x = leaves[i]
+            # an array placed as the step's output will be: one signature, one compile
+            if pin is not None and (not isinstance(x, jax.Array) or x.sharding != pin):
+                x = jax.device_put(x, pin)
+            elif not isinstance(x, jax.Array):
+                x = jnp.asarray(x)
+            part.append(x)
+        return (tuple(part), values)
+
+    def _bind(self) -> None:
+        if not self.user_jitted:
+            self._normal = functools.partial(self._donating, self.frozen)
+
+    def _protected(self, live: Any, *batch: Any) -> Any:
+        """One call that donates none of `live`'s current buffers."""
+        assert self._normal is not None
+        if not self.donates:
+            return self._normal(live, *batch)
+        if self.by_views:
+            try:
+                hold = _views(jax.tree.leaves(live))  # noqa: F841 - XLA won't donate these
+            except ValueError:  # an array whose shards have no host view: as off CPU
+                hold = None
+            if hold is not None:
+                return self._normal(live, *batch)
+        if self.user_jitted:
+            # one compile for the whole tree, never one per leaf
+            copier = self._copier = self._copier or jax.jit(
+                lambda tree: jax.tree.map(lambda x: jnp.array(x, copy=True), tree))
+            return self._normal(copier(live), *batch)
+        if not self._ahead:
+            self._ahead = True  # the normal variant, compiled before it is first needed
+            self._donating.lower(self.frozen, live, *batch).compile()
+        return self._plain(self.frozen, live, *batch)
+
+
+def _pins(leaves: Sequence[Any]) -> tuple[Any, ...] | None:
+    """Each rewritten leaf's output sharding: its own, on a state spread over devices.
+
+    A state on one device keeps no pins (there is nothing to re-lay out). Leaves
+    that are not committed jax arrays (Python scalars, numpy, uncommitted arrays)
+    are replicated over the mesh of the others.
+    """
+    spread = [x.sharding for x in leaves
+              if isinstance(x, jax.Array) and len(x.sharding.device_set) > 1]
+    if not spread:
+        return None
+    mesh = next((s.mesh for s in spread if isinstance(s, jax.sharding.NamedSharding)), None)
+    replicated = (jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+                  if mesh is not None else spread[0])
+    out = []
+    for x in leaves:
+        if isinstance(x, jax.Array) and (x.committed or len(x.sharding.device_set) > 1):
+            out.append(x.sharding)
+        else:
+            out.append(replicated)
+    return tuple(out)

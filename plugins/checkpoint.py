@@ -277,16 +277,21 @@ class CheckpointPlugin:
     def _save(self, session: Any) -> None:
         """Start saving the current state (the timer action, and the final save)."""
         t0 = time.perf_counter()
-        step, state = session.step, session.state
+        step = session.step
+        if jax.process_count() > 1:
+            self._join_commit(session)
+        else:
+            self._finish_commit(session)
+        # The backend may read in the background: the state staged so that the
+        # next steps donate none of what it reads, kept until the save commits.
+        staged = session.stage_state()
+        state = staged.state
         if jax.process_count() > 1:
             # every process saves at this step: agree that all may, and on the replicas
-            self._join_commit(session)
             state, names, prints = host_copies(state)
             agree_to_save(self._path(step), names, prints, self._commit_error or (
                 CheckpointError(f"a checkpoint save in {self._logdir} never committed")
                 if self._abandoned else None))
-        else:
-            self._finish_commit(session)
         backend = self.backend
         assert backend is not None
         if step in self._on_disk:
@@ -300,10 +305,8 @@ class CheckpointPlugin:
         }
         backend.save(step, state, metadata)
         self._last_save_step = step
-        # The backend may still read these buffers: the next step must not donate them.
-        session.skip_donation_once()
         self._commit = threading.Thread(
-            target=self._committer, args=(session, step, metadata["timestamp"]),
+            target=self._committer, args=(session, step, metadata["timestamp"], staged),
             name=f"loopkit-checkpoint-commit-{step}",
             daemon=True,  # a backend that never commits must not keep the process alive
         )
@@ -321,10 +324,11 @@ class CheckpointPlugin:
         self.backend.delete(step)
         self._on_disk.discard(step)
 
-    def _committer(self, session: Any, step: int, timestamp: float) -> None:
+    def _committer(self, session: Any, step: int, timestamp: float, staged: Any) -> None:
         try:
             assert self.backend is not None
             self.backend.wait()
+            del staged  # read and written: the buffers may be donated again
             self._on_disk.add(step)
             if session.is_chief:
                 self._publish(step, timestamp)

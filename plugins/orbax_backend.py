@@ -28,11 +28,11 @@ directory and its metadata file, a device-to-host copy of every jax array
 (``np.asarray`` per shard: all arrays are "prioritized"), a deep copy of numpy
 leaves, and a fresh asyncio loop and thread (15-30 ms on a busy 2-core machine
 for 256 MB). Of these only the host copy protects against donation, and the
-loop makes it unnecessary: after a save it runs the next step without donation
-(`Session.skip_donation_once`), so that step writes fresh buffers, later steps
-donate only those, and the saved buffers stay valid and unchanged for as long as
-this backend holds them (jax arrays are immutable; on CPU, XLA also refuses to
-donate a buffer a numpy view references). So `save` only flattens the tree,
+loop makes it unnecessary: the checkpoint plugin saves `Session.stage_state()`,
+whose buffers the next steps never donate while the save runs (on CPU host views
+hold them, elsewhere the rewritten leaves are already in host memory), so they
+stay valid and unchanged for as long as this backend holds them (jax arrays are
+immutable). So `save` only flattens the tree,
 copies numpy leaves (those the caller could mutate in place), and hands the
 rest -- the host copy, orbax's save, fsyncs, rename -- to one background thread,
 which runs a synchronous orbax `Checkpointer`. Its barriers go through the

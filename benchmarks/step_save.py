@@ -1,0 +1,175 @@
+"""How long a save holds the loop, and how much memory it adds, for an updating and a frozen step.
+
+    python benchmarks/step_save.py [--mb 256] [--repeats 5]
+
+Two states of ``--mb`` MB of float32 (8 matrices): "updating", whose step
+rewrites every leaf, and "frozen", whose step passes the matrices through and
+rewrites a small head (a fine-tune). For each:
+
+1. the strategies, with JAX alone: how much longer the step after a save takes
+   than a normal donating step, when the saver still holds the old buffers by
+   host views (what loopkit does on CPU), by running that step without donation
+   (loopkit's former way), or by a host copy of the rewritten leaves at save time;
+2. loopkit end to end (orbax backend, saves spaced beyond a commit): the hold
+   per save, the save action plus the extra time of the step after it, each
+   step blocked on; and the growth of peak host memory (VmHWM) during a save.
+
+Ratios are against the raw durable write of the same bytes (``np.save`` + fsync),
+measured in the same process. On CPU, device memory is host memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import loopkit  # noqa: E402
+
+MB = 2**20
+
+
+def make_state(mb: int) -> dict:
+    rows = mb * MB // 4 // 8 // 1024
+    rng = np.random.default_rng(0)
+    return {"w": [jnp.asarray(rng.standard_normal((rows, 1024), np.float32)) for _ in range(8)],
+            "head": jnp.zeros(1024)}
+
+
+def updating(s):
+    return {"w": [x * 0.999 + 0.001 for x in s["w"]], "head": s["head"] + 1.0}, {}
+
+
+def frozen(s):
+    return {"w": s["w"], "head": s["head"] + s["w"][0][0]}, {}
+
+
+def raw_write(state, path: Path) -> float:
+    leaves = [np.asarray(x) for x in jax.tree.leaves(state)]
+    t = time.perf_counter()
+    with open(path, "wb") as f:
+        for leaf in leaves:
+            np.save(f, leaf)
+        f.flush()
+        os.fsync(f.fileno())
+    return time.perf_counter() - t
+
+
+def timed(fn, *args):
+    t = time.perf_counter()
+    out = fn(*args)
+    jax.block_until_ready(out)
+    return time.perf_counter() - t, out
+
+
+def strategies(step, mb: int, repeats: int) -> dict[str, float]:
+    """Extra seconds of the step after a save, per strategy (median over repeats)."""
+    donating, plain = jax.jit(step, donate_argnums=0), jax.jit(step)
+    state = make_state(mb)
+    state, _ = donating(state)
+    state = jax.block_until_ready(state)
+    out: dict[str, list[float]] = {}
+    for _ in range(repeats):
+        normal, (state, _) = timed(donating, state)
+        # the leaves the next step rewrites (loopkit never donates the frozen ones)
+        rewritten = jax.tree.leaves(state if step is updating else state["head"])
+        t0 = time.perf_counter()
+        views = [np.asarray(x) for x in rewritten]
+        held = time.perf_counter() - t0
+        t, (state, _) = timed(donating, state)
+        out.setdefault("host views held, donating step", []).append(held + t - normal)
+        del views
+        t, (state, _) = timed(plain, state)
+        out.setdefault("step without donation", []).append(t - normal)
+        rewritten = jax.tree.leaves(state if step is updating else state["head"])
+        t0 = time.perf_counter()
+        copies = [np.array(x) for x in rewritten]
+        held = time.perf_counter() - t0
+        t, (state, _) = timed(donating, state)
+        out.setdefault("host copy of rewritten leaves", []).append(held + t - normal)
+        del copies
+    return {k: statistics.median(v) for k, v in out.items()}
+
+
+def hwm_kb() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM"))
+
+
+def reset_hwm() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5\n")
+        return True
+    except OSError:
+        return False
+
+
+def end_to_end(step, mb: int, repeats: int, root: Path) -> tuple[float, float, float]:
+    """(median hold per save in s, median save action in s, peak memory growth in MB)."""
+    every = 4
+    sv = loopkit.Supervisor(logdir=str(root), save_model_secs=None, save_model_steps=every,
+                            progress=False, disable=("summaries",), autoload=False,
+                            max_to_keep=1)
+    holds, actions, growth = [], [], []
+    with sv.managed_session(step, init=make_state(mb)) as sess:
+        for _ in range(every - 1):  # compile, warm up
+            sess.run()
+        jax.block_until_ready(sess.state)
+        for _ in range(repeats):
+            time.sleep(1.5)  # the last save has committed: nothing waits for it
+            reset_hwm()
+            base = hwm_kb()
+            times = []
+            for _ in range(every):
+                t, _ = timed(lambda: (sess.run(), sess.state)[1])
+                times.append(t)
+            normal = statistics.median(times[:-1])
+            save_step, after = times[-1], None
+            t, _ = timed(lambda: (sess.run(), sess.state)[1])
+            after = t
+            holds.append(save_step - normal + after - normal)
+            actions.append(sess.stats.checkpoint_blocking_secs or 0.0)
+            time.sleep(1.5)
+            growth.append((hwm_kb() - base) / 1024)
+            for _ in range(every - 2):
+                sess.run()
+            jax.block_until_ready(sess.state)
+    return statistics.median(holds), statistics.median(actions), statistics.median(growth)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--mb", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=5)
+    args = p.parse_args()
+    print(f"{platform.platform()}, python {platform.python_version()}, jax {jax.__version__}, "
+          f"{os.cpu_count()} CPUs, backend {jax.default_backend()}")
+    with tempfile.TemporaryDirectory(prefix="loopkit-step-save-") as tmp:
+        root = Path(tmp)
+        raw = statistics.median(raw_write(make_state(args.mb), root / "raw.npy")
+                                for _ in range(3))
+        print(f"\nstate {args.mb} MB; raw write + fsync {raw * 1e3:.0f} ms (5% = "
+              f"{raw * 50:.1f} ms)\n")
+        for name, step in (("updating", updating), ("frozen", frozen)):
+            print(f"{name} step: extra time of the step after a save, by strategy (JAX alone)")
+            for key, sec in strategies(step, args.mb, args.repeats).items():
+                print(f"  {key:36} {sec * 1e3:8.1f} ms  {100 * sec / raw:6.1f}% of raw write")
+            hold, action, grow = end_to_end(step, args.mb, args.repeats, root / name)
+            print(f"  loopkit, orbax: hold per save {hold * 1e3:.1f} ms "
+                  f"({100 * hold / raw:.1f}% of raw write; save action {action * 1e3:.1f} ms); "
+                  f"peak memory +{grow:.0f} MB during a save ({grow / args.mb:.2f}x the state)")
+
+
+if __name__ == "__main__":
+    main()
