@@ -48,8 +48,6 @@ class SessionStats:
     timer_secs: dict[str, float] = dataclasses.field(default_factory=dict)
     #: seconds the loop waited for input (prefetch queue empty)
     input_wait_secs: float = 0.0
-    #: how long the last checkpoint save held the loop
-    checkpoint_blocking_secs: float | None = None
     #: how many times the metrics were fetched to the host (`Session.host_metrics`)
     host_conversions: int = 0
 

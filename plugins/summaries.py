@@ -6,8 +6,9 @@ through it. On the summary timer (`save_summaries_secs` / `save_summaries_steps`
 it writes the metrics that `Config.summary_metrics` chooses under their own
 names (the latest step's values, or with ``summary_reduce="mean"`` their mean
 since the last summary, summed on device inside the jitted step),
-`summary_fn(state)`, and loopkit's own cost (`loopkit/overhead_frac`,
-`loopkit/checkpoint_blocking_secs`). `Config.hparams` goes to TensorBoard's
+`summary_fn(state)`, and loopkit's own cost (`loopkit/overhead_frac`; the
+checkpoint plugin writes `loopkit/checkpoint_blocking_secs` at each save through
+the same writer). `Config.hparams` goes to TensorBoard's
 HParams dashboard at the start. A normal stop writes the final step unless the
 timer already did. See docs/summaries.md.
 """
@@ -159,10 +160,6 @@ class SummariesPlugin:
             frac = (busy - self._last_busy) / (now - self._last_time)
             writer.add_scalar("loopkit/overhead_frac", frac, step)
         self._last_time, self._last_busy = now, busy
-        if stats.checkpoint_blocking_secs is not None:
-            writer.add_scalar(
-                "loopkit/checkpoint_blocking_secs", float(stats.checkpoint_blocking_secs), step
-            )
         writer.flush()
         if self.mirror is not None:
             self.mirror.sync()

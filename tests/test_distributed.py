@@ -160,18 +160,18 @@ def test_a_lagging_view_waits_for_the_chiefs_checkpoint(tmp_path):
     import threading
 
     import loopkit
-    from loopkit.plugins.checkpoint import CheckpointPlugin
+    from loopkit.plugins.checkpoint_ledger import Ledger
+    from loopkit.plugins.checkpoint_restore import _wait_until_visible
     from loopkit.plugins.npz_backend import NpzBackend
 
-    plugin = CheckpointPlugin(loopkit.Config(logdir=str(tmp_path), recovery_wait_secs=0.05))
-    plugin.backend, plugin._logdir = NpzBackend(tmp_path), tmp_path
+    ledger = Ledger(tmp_path, loopkit.Config(logdir=str(tmp_path)))
     writer = NpzBackend(tmp_path)
     timer = threading.Timer(0.5, lambda: writer.save(5, {"x": np.zeros(2)}, {}))
     timer.start()
     started = time.monotonic()
-    plugin._wait_until_visible(5)
+    _wait_until_visible(NpzBackend(tmp_path), ledger, 5, str, recovery_wait_secs=0.05)
     assert time.monotonic() - started >= 0.4
-    assert 5 in plugin._on_disk
+    assert 5 in ledger.on_disk
     timer.join()
 
 

@@ -94,7 +94,7 @@ class Seen:
 
     @loopkit.hookimpl
     def on_stop(self, session):
-        self.blocking = session.stats.checkpoint_blocking_secs
+        self.blocking = session.plugin_manager.get_plugin("checkpoint").blocking_secs
 
 
 class Recording:

@@ -1,0 +1,135 @@
+"""Recovery at start-up: the newest checkpoint that can be read, on one process or all.
+
+A checkpoint that cannot be read is skipped with a warning naming it; if
+checkpoints exist but none can be restored, `CheckpointError` — never a silent
+fresh start. With many processes the chief chooses and every process restores
+the same step, or all start fresh.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
+
+import jax
+import numpy as np
+
+from loopkit.errors import CheckpointError
+from loopkit.plugins.checkpoint_state import CheckpointState, decode_position, recovery_order
+
+if TYPE_CHECKING:
+    from loopkit.checkpoint import CheckpointBackend
+    from loopkit.plugins.checkpoint_ledger import Ledger
+
+__all__ = ["Found", "find_restorable"]
+
+log = logging.getLogger("loopkit")
+
+PyTree = Any
+
+
+class Found(NamedTuple):
+    """The checkpoint recovery settled on."""
+
+    step: int
+    tree: PyTree
+    data_position: Any
+
+
+def find_restorable(backend: CheckpointBackend, ledger: Ledger, state: CheckpointState | None,
+                    like: PyTree, path_of: Callable[[int], str],
+                    recovery_wait_secs: float) -> Found | None:
+    """The newest readable checkpoint, placed like `like`; None when there is none."""
+    if jax.process_count() > 1:
+        return _agreed(backend, ledger, state, like, path_of, recovery_wait_secs)
+    failures: list[tuple[int, BaseException]] = []
+    for step in recovery_order(state, sorted(ledger.on_disk)):
+        if step not in ledger.on_disk:
+            log.warning("loopkit: %s/checkpoint names %s, which is not a committed "
+                        "checkpoint; trying the next older one", ledger.logdir, path_of(step))
+            continue
+        try:
+            return _read(backend, step, like)
+        except Exception as ex:  # noqa: BLE001 - unreadable data marks it corrupt
+            log.warning("loopkit: checkpoint %s is unreadable, skipping it (%s: %s)",
+                        path_of(step), type(ex).__name__, ex)
+            failures.append((step, ex))
+    if failures:
+        details = "; ".join(f"{path_of(s)}: {type(e).__name__}: {e}" for s, e in failures)
+        raise CheckpointError(
+            f"checkpoints exist in {ledger.logdir} but none can be restored ({details}). "
+            "Not starting fresh: move them away to start over."
+        ) from failures[0][1]
+    if state is not None and state.latest is not None:
+        log.warning("loopkit: %s/checkpoint names checkpoints but none exists; "
+                    "starting fresh", ledger.logdir)
+    return None
+
+
+def _read(backend: CheckpointBackend, step: int, like: PyTree) -> Found:
+    tree, metadata = backend.restore(step, like)
+    return Found(step, tree, decode_position((metadata or {}).get("data_position")))
+
+
+def _agreed(backend: CheckpointBackend, ledger: Ledger, state: CheckpointState | None,
+            like: PyTree, path_of: Callable[[int], str],
+            recovery_wait_secs: float) -> Found | None:
+    """Many processes: all restore the step the chief chose, or all start fresh.
+
+    The chief (process 0) picks the candidate by the single-process rules and
+    broadcasts it; a process whose view of a shared directory lags polls every
+    `recovery_wait_secs` until the checkpoint appears (up to a bound); then
+    every process restores it, and they agree whether all succeeded. If one
+    failed, the chief's next candidate is tried, together.
+    """
+    from jax.experimental import multihost_utils
+
+    order = recovery_order(state, sorted(ledger.on_disk)) if jax.process_index() == 0 else []
+    tried: set[int] = set()
+    failures: list[tuple[int, BaseException]] = []
+    while True:
+        mine = next((s for s in order if s not in tried and s in ledger.on_disk), -1)
+        step = int(multihost_utils.broadcast_one_to_all(np.asarray(mine, np.int32)))
+        if step < 0:
+            break
+        tried.add(step)
+        found: Found | None = None
+        try:
+            _wait_until_visible(backend, ledger, step, path_of, recovery_wait_secs)
+            found = _read(backend, step, like)
+        except Exception as ex:  # noqa: BLE001 - unreadable here: agree on it below
+            log.warning("loopkit: checkpoint %s is unreadable on process %d (%s: %s)",
+                        path_of(step), jax.process_index(), type(ex).__name__, ex)
+            failures.append((step, ex))
+        ok = multihost_utils.process_allgather(np.asarray(found is not None, np.int32))
+        if np.all(np.asarray(ok)):
+            ledger.on_disk.add(step)
+            return found
+        log.warning("loopkit: checkpoint %s could not be restored on every process; "
+                    "trying the chief's next candidate", path_of(step))
+    if tried:
+        raise CheckpointError(
+            f"checkpoints exist in {ledger.logdir} but none could be restored on every "
+            f"process (tried steps {sorted(tried)})"
+        ) from (failures[0][1] if failures else None)
+    return None
+
+
+def _wait_until_visible(backend: CheckpointBackend, ledger: Ledger, step: int,
+                        path_of: Callable[[int], str], recovery_wait_secs: float) -> None:
+    """Poll every `recovery_wait_secs` until `step` is committed in this process's view."""
+    poll = max(0.05, float(recovery_wait_secs))
+    bound = max(60.0, 10 * poll)
+    deadline = time.monotonic() + bound
+    while step not in ledger.on_disk:
+        ledger.on_disk = set(backend.steps())
+        if step in ledger.on_disk:
+            return
+        if time.monotonic() > deadline:
+            raise FileNotFoundError(
+                f"checkpoint {path_of(step)} chosen by the chief did not appear here "
+                f"within {bound:.0f} s")
+        log.info("loopkit: waiting for %s to appear (recovery_wait_secs=%s)",
+                 path_of(step), recovery_wait_secs)
+        time.sleep(poll)
