@@ -18,7 +18,8 @@ from typing import Any
 
 from loopkit.hookspec import hookimpl
 
-__all__ = ["FakeClock", "HookCall", "HookRecorder", "Tick", "assert_same_state"]
+__all__ = ["FakeClock", "HookCall", "HookRecorder", "Tick", "assert_same_state", "read_events",
+           "scalars"]
 
 
 @dataclasses.dataclass
@@ -161,3 +162,21 @@ def assert_same_state(got: Any, want: Any) -> None:
         a, b = np.asarray(a), np.asarray(b)
         assert a.shape == b.shape, f"{where}: shape {a.shape} vs {b.shape}"
         assert a.tobytes() == b.tobytes(), f"{where}: the bits differ"
+
+
+def read_events(logdir: Any) -> Any:
+    """Every event file in `logdir`, read with TensorBoard's own reader (keeping all points).
+
+    Needs the `tensorboard` package (a test extra). Returns its `EventAccumulator`.
+    """
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0, "histograms": 0,
+                                                        "tensors": 0})
+    acc.Reload()
+    return acc
+
+
+def scalars(acc: Any, tag: str) -> list[tuple[int, float]]:
+    """(step, value) of every point of the scalar `tag` in `acc` (`read_events`)."""
+    return [(e.step, e.value) for e in acc.Scalars(tag)]

@@ -24,22 +24,12 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import loopkit
 from loopkit.plugins import nan_guard, profiler, progress, step_counter, summaries
 from loopkit.plugins.summaries import event_file_suffix
-from loopkit.testing import FakeClock, Tick
+from loopkit.testing import FakeClock, Tick, scalars
+from loopkit.testing import read_events as events
 
 # No checkpoints here: these tests are about event files (the checkpoint plugin has
 # its own tests), and a disabled plugin is not even imported.
 FAST = dict(progress=False, disable=("checkpoint",), save_summaries_secs=None)
-
-
-def events(logdir) -> EventAccumulator:
-    acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0, "histograms": 0,
-                                                        "tensors": 0})
-    acc.Reload()
-    return acc
-
-
-def scalars(acc: EventAccumulator, tag: str) -> list[tuple[int, float]]:
-    return [(e.step, e.value) for e in acc.Scalars(tag)]
 
 
 def steps(acc: EventAccumulator, tag: str) -> list[int]:

@@ -8,22 +8,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import loopkit
+from loopkit.testing import read_events as events, scalars
 
 FAST = dict(progress=False, disable=("checkpoint",), save_summaries_secs=None)
-
-
-def events(logdir) -> EventAccumulator:
-    acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0, "histograms": 0,
-                                                        "tensors": 0})
-    acc.Reload()
-    return acc
-
-
-def scalars(acc: EventAccumulator, tag: str) -> list[tuple[int, float]]:
-    return [(e.step, e.value) for e in acc.Scalars(tag)]
 
 
 def lm_step(s):
