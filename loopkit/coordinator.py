@@ -30,6 +30,20 @@ def has_origin(exc: BaseException) -> bool:
     return any(n.startswith("raised in loopkit") for n in getattr(exc, "__notes__", ()))
 
 
+def raise_stop_errors(error: BaseException | None, stop_errors: list[BaseException]) -> None:
+    """Raise what ended a session: `error`, with each `on_stop` error as a note; after
+    a clean run, the first `on_stop` error, with the others as notes; else nothing."""
+    first = error if error is not None else (stop_errors[0] if stop_errors else None)
+    if first is None:
+        return
+    for ex in stop_errors:
+        if ex is not first:
+            plugin = getattr(ex, "_loopkit_plugin", None)
+            where = f"on_stop of plugin {plugin!r} raised " if plugin else ""
+            add_note(first, f"while stopping, also: {where}{type(ex).__name__}: {ex}")
+    raise first
+
+
 class Coordinator:
     """Stops every thread of a session cleanly and keeps the error that stopped it.
 

@@ -12,6 +12,8 @@ import time
 import zlib
 from typing import Any, Callable
 
+from loopkit.coordinator import add_note
+
 __all__ = ["Agreement", "Scheduler", "Timer", "agree_across_processes"]
 
 NEVER = math.inf
@@ -53,6 +55,20 @@ class Timer:
 
     def __repr__(self) -> str:
         return f"Timer({self.name!r}, secs={self.secs}, steps={self.steps})"
+
+
+def noted(action: Callable[[Any], Any], name: str, owner: str | None) -> Callable[[Any], Any]:
+    """`action`, with a note naming the timer (and its plugin) on any exception it raises."""
+    where = f"timer {name!r}" + (f" of plugin {owner!r}" if owner else "")
+
+    def run(session: Any) -> None:
+        try:
+            action(session)
+        except BaseException as ex:
+            add_note(ex, f"raised in loopkit {where} at step {session.step}")
+            raise
+
+    return run
 
 
 class Scheduler:

@@ -16,10 +16,12 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 import jax
 import numpy as np
 
-from loopkit.coordinator import Coordinator, LooperThread, SignalHandlers, add_note, has_origin
+from loopkit.coordinator import (
+    Coordinator, LooperThread, SignalHandlers, add_note, has_origin, raise_stop_errors,
+)
 from loopkit.data import Lookahead, make_input
 from loopkit.pytree import abstract, check_matches, conform, trace_init
-from loopkit.scheduler import Scheduler, Timer, agree_across_processes
+from loopkit.scheduler import Scheduler, Timer, agree_across_processes, noted
 from loopkit.stash import Stash, StashKey
 from loopkit.step import CompiledStep, Staged
 from loopkit.writer import write_values
@@ -238,16 +240,7 @@ class Session:
         owner = getattr(action, "__self__", None)
         owner_name = self.plugin_manager.get_name(owner) if owner is not None else None
         name = name or owner_name or getattr(action, "__name__", "action")
-
-        def run(session: Session, _action=action, _name=name, _owner=owner_name) -> None:
-            try:
-                _action(session)
-            except BaseException as ex:
-                where = f"timer {_name!r}" + (f" of plugin {_owner!r}" if _owner else "")
-                add_note(ex, f"raised in loopkit {where} at step {session.step}")
-                raise
-
-        return run, name, owner_name
+        return noted(action, name, owner_name), name, owner_name
 
     def loop(self, interval_secs: float | None, target: Callable[..., Any],
              args: tuple | None = None, kwargs: dict | None = None) -> LooperThread:
@@ -371,17 +364,8 @@ class Session:
             self.summary_writer = None  # closed by now
             self._end()
             self._signals.restore()
-        if error is None and coord.exception is not None:
-            error = coord.exception  # a thread failed during shutdown
-        if error is not None:
-            for ex in stop_errors:
-                add_note(error, _also(ex))
-            raise error
-        if stop_errors:
-            first = stop_errors[0]
-            for ex in stop_errors[1:]:
-                add_note(first, _also(ex))
-            raise first
+        # a thread that failed during shutdown counts too
+        raise_stop_errors(error if error is not None else coord.exception, stop_errors)
 
     def _end(self) -> None:
         """The session is over: `run` now raises instead of stepping a closed session."""
@@ -410,8 +394,3 @@ class Session:
         elif fallback and not isinstance(ex, (KeyboardInterrupt, SystemExit)):
             add_note(ex, f"raised in loopkit's step function at step {self.step + 1}")
 
-
-def _also(ex: BaseException) -> str:
-    plugin = getattr(ex, "_loopkit_plugin", None)
-    where = f"on_stop of plugin {plugin!r} raised " if plugin else ""
-    return f"while stopping, also: {where}{type(ex).__name__}: {ex}"
