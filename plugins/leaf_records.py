@@ -1,9 +1,10 @@
 """Leaf records: how the built-in backends describe a pytree's leaves in JSON.
 
-Shared by the `npz` and `orbax` backends (and usable by a plugin's): one record per
-leaf (its path, kind, dtype name and shape; Python scalars and strings inline), nesting
-stored leaves back into dicts, placing them like a ``like`` tree, and the lock and
-clean-up of temporaries in a checkpoint directory.
+Shared by the `npz` and `orbax` backends (and usable by a plugin's): one `LeafRecord`
+per leaf (its path, kind, dtype name and shape; Python scalars and strings inline),
+JSON only at the file boundary (`LeafRecord.to_json`, `read_records`); nesting stored
+leaves back into dicts, placing them like a ``like`` tree (in one batch: `put_all`),
+and the lock and clean-up of temporaries in a checkpoint directory.
 """
 
 from __future__ import annotations
@@ -263,10 +264,9 @@ def _weak(x: jax.Array) -> jax.Array:
         scalar = jax.numpy.asarray(x.item())  # a Python scalar: weak, default dtype
         if scalar.dtype == x.dtype and scalar.weak_type:
             return jax.device_put(scalar, x.sharding)
-    # no public API makes a weak array of any dtype and shape
-    from jax._src.lax.lax import _convert_element_type
-
-    return jax.jit(lambda y: _convert_element_type(y, y.dtype, weak_type=True))(x)
+    # an identity compiled for a weakly-typed input of x's kind returns x weakly typed
+    weak = jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=True, sharding=x.sharding)
+    return jax.jit(lambda y: y).lower(weak).compile()(x)
 
 
 def put(arr: np.ndarray, sharding: Any) -> jax.Array:

@@ -35,7 +35,11 @@ this backend holds them (jax arrays are immutable; on CPU, XLA also refuses to
 donate a buffer a numpy view references). So `save` only flattens the tree,
 copies numpy leaves (those the caller could mutate in place), and hands the
 rest -- the host copy, orbax's save, fsyncs, rename -- to one background thread,
-which runs a synchronous orbax `Checkpointer`. Its barriers go through the
+which runs a synchronous orbax `Checkpointer`. There, the leaves this process
+holds whole go to orbax as numpy arrays (the host copy; on CPU a view), which
+orbax stores exactly as it stores jax arrays but without writing each one's
+sharding to a metadata file in turn (most of a save's time with thousands of
+leaves), and without its defensive copy of numpy arrays (the thread owns them). Its barriers go through the
 jax.distributed client (``active_processes`` set), not orbax's default device
 collectives, which in a background thread would interleave with the training
 step's own collectives in a different order on each process; every process
