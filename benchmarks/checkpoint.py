@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import os
 import platform
 import shutil
@@ -196,8 +197,13 @@ class PeakRSS:
     """The peak resident memory of this process above its level at entry, sampled."""
 
     def __enter__(self) -> "PeakRSS":
+        import ctypes
+        import gc
         import threading
 
+        gc.collect()
+        with contextlib.suppress(OSError, AttributeError):  # return freed heap pages first
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
         self.base = self.peak = _rss()
         self._stop = threading.Event()
 
