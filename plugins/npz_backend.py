@@ -49,7 +49,7 @@ log = logging.getLogger("loopkit")
 _META_MEMBER = "__loopkit__"
 _FORMAT = "loopkit-npz"
 _VERSION = 1
-_READERS = 4  # threads reading members at once
+_READERS = min(4, os.cpu_count() or 1)  # threads reading members at once (more than cores: slower)
 
 from loopkit.plugins.leaf_records import (  # noqa: E402
     LeafRecord, dtype_from_name, finish, host_value, leaf_records, like_leaves, nest, placement, put_all,
