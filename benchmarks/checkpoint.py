@@ -2,6 +2,7 @@
 
     python benchmarks/checkpoint.py [--mb 256] [--repeats 3] [--dir DIR]
                                     [--orbax KEY=VALUE ...] [--only orbax|npz]
+    python benchmarks/checkpoint.py --sweep [--repeats 3] [--dir DIR]
 
 On a state of ``--mb`` MB of float32 jax arrays (a few big matrices, many small
 vectors, random data so nothing compresses away), each repeat measures:
@@ -23,12 +24,21 @@ is a warm-up and not counted. ``--orbax use_compression=True`` and the like
 pass options to `OrbaxBackend` to compare settings. For comparison, rows
 "plain orbax" time orbax's own `AsyncCheckpointer` with orbax's defaults
 (compressed zarr, no fsync).
+
+``--sweep`` measures the cost per leaf instead: 16, 256, 1,024 and 4,096 equal
+float32 leaves making 128 MiB, and 16 leaves making 512 MiB and 2 GiB. For each,
+in one process and paired per repeat: the raw write + fsync and cold raw read,
+loopkit's orbax and npz commit and cold restore, and plain orbax
+(`StandardCheckpointer` save, no fsync; its restore into `jax.eval_shape` of the
+state); and the peak growth of this process's resident memory during each save
+and restore (sampled every 2 ms), against the state's size.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import os
 import platform
 import shutil
@@ -183,6 +193,133 @@ def run(args) -> dict[str, list[float]]:
     return res
 
 
+class PeakRSS:
+    """The peak resident memory of this process above its level at entry, sampled."""
+
+    def __enter__(self) -> "PeakRSS":
+        import ctypes
+        import gc
+        import threading
+
+        gc.collect()
+        with contextlib.suppress(OSError, AttributeError):  # return freed heap pages first
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        self.base = self.peak = _rss()
+        self._stop = threading.Event()
+
+        def sample() -> None:
+            while not self._stop.wait(0.002):
+                self.peak = max(self.peak, _rss())
+
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss())
+        self.growth = self.peak - self.base
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+SWEEP = ((16, 128), (256, 128), (1024, 128), (4096, 128), (16, 512), (16, 2048))
+
+
+def sweep(args) -> None:
+    """Commit and restore against the raw write and read, by leaf count and size."""
+    import orbax.checkpoint as ocp
+
+    rows = []
+    for leaves, mib in SWEEP:
+        rng = np.random.default_rng(0)
+        n = mib * 2**20 // 4 // leaves
+        state = {"layers": [{"w": jnp.asarray(rng.standard_normal(n, np.float32))}
+                            for _ in range(leaves)]}
+        jax.block_until_ready(state)
+        like = abstract(state)
+        size = nbytes(state)
+        root = Path(tempfile.mkdtemp(prefix="loopkit-ckpt-sweep-", dir=args.dir))
+        raw = root / "raw.npy"
+        res: dict[str, list[float]] = {}
+
+        def add(key: str, value: float) -> None:
+            res.setdefault(key, []).append(value)
+
+        try:
+            orbax, npz = OrbaxBackend(root / "orbax"), NpzBackend(root / "npz")
+            plain = ocp.StandardCheckpointer()
+            for b in (orbax, npz):  # warm-up saves, not counted
+                b.save(0, state, {})
+                b.wait()
+            plain.save(root / "plain-0", state)
+            plain.wait_until_finished()
+            repeats = max(1, args.repeats if mib <= 512 else args.repeats // 2)
+            for r in range(1, repeats + 1):
+                add("raw write", raw_write(state, raw))
+                for name, b in (("orbax", orbax), ("npz", npz)):
+                    with PeakRSS() as m:
+                        t = time.perf_counter()
+                        b.save(r, state, {"step": r})
+                        b.wait()
+                        add(f"{name} commit", time.perf_counter() - t)
+                    add(f"{name} save memory", m.growth / size)
+                t = time.perf_counter()
+                plain.save(root / f"plain-{r}", state)
+                plain.wait_until_finished()
+                add("plain orbax save", time.perf_counter() - t)
+                for name, b, path in (("orbax", orbax, orbax.path(r)), ("npz", npz, npz.path(r)),
+                                      ("plain orbax", None, root / f"plain-{r}")):
+                    drop_cache([raw])
+                    add(f"raw read, before {name}", raw_read(raw, leaves))
+                    drop_cache(files_under(path))
+                    with PeakRSS() as m:
+                        t = time.perf_counter()
+                        out = (b.restore(r, like)[0] if b is not None
+                               else plain.restore(path, jax.eval_shape(lambda: state)))
+                        jax.block_until_ready(out)
+                        add(f"{name} restore", time.perf_counter() - t)
+                    del out
+                    add(f"{name} restore memory", m.growth / size)
+                orbax.delete(r)
+                npz.delete(r)
+                shutil.rmtree(root / f"plain-{r}")
+            for b in (orbax, npz, plain):
+                b.close()
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+
+        def ratio(key: str, ref: str) -> float:
+            return statistics.median(v / w for v, w in zip(res[key], res[ref]))
+
+        med = {k: statistics.median(v) for k, v in res.items()}
+        rows.append((leaves, mib, repeats, med, {
+            f"{b} commit": ratio(f"{b} commit", "raw write") for b in ("orbax", "npz")} | {
+            "plain orbax save": ratio("plain orbax save", "raw write")} | {
+            f"{b} restore": ratio(f"{b} restore", f"raw read, before {b}")
+            for b in ("orbax", "npz", "plain orbax")}))
+        print(f"{leaves} leaves, {mib} MiB done", file=sys.stderr)
+    print("\nratios: median over repeats of each time / the raw one of the same repeat "
+          "(a restore: the cold raw read just before it); memory: peak RSS growth / state size")
+    print("| leaves | MiB | n | raw write s | raw read s | orbax commit | npz commit | "
+          "plain orbax save | orbax restore | npz restore | plain orbax restore | "
+          "memory save orbax/npz | memory restore orbax/npz |")
+    print("|" + "---|" * 13)
+    for leaves, mib, repeats, med, rat in rows:
+        read = statistics.median([med[f"raw read, before {b}"] for b in ("orbax", "npz")])
+        print(f"| {leaves:,} | {mib} | {repeats} | {med['raw write']:.3f} | {read:.3f} | "
+              f"{rat['orbax commit']:.2f}x | {rat['npz commit']:.2f}x | "
+              f"{rat['plain orbax save']:.2f}x | {rat['orbax restore']:.2f}x | "
+              f"{rat['npz restore']:.2f}x | {rat['plain orbax restore']:.2f}x | "
+              f"{med['orbax save memory']:.2f} / {med['npz save memory']:.2f} | "
+              f"{med['orbax restore memory']:.2f} / {med['npz restore memory']:.2f} |")
+    sys.stdout.flush()
+
+
 def machine() -> str:
     def sh(cmd: str) -> str:
         try:
@@ -203,6 +340,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dir", default=None, help="where to write (default: the temp dir)")
     p.add_argument("--only", choices=("orbax", "npz"), default=None)
+    p.add_argument("--sweep", action="store_true",
+                   help="leaf counts 16-4,096 at 128 MiB, and 16 leaves at 512 MiB and 2 GiB")
     p.add_argument("--orbax", action="append", default=[], metavar="KEY=VALUE",
                    help="an OrbaxBackend option, e.g. use_compression=True")
     args = p.parse_args()
@@ -212,6 +351,11 @@ def main() -> None:
 
     print(machine())
     print(f"orbax-checkpoint {ocp.__version__}, options {args.orbax or 'loopkit defaults'}")
+    print(f"load average {os.getloadavg()}")
+    if args.sweep:
+        sweep(args)
+        print(f"load average {os.getloadavg()}")
+        return
     res = run(args)
     how = res.pop("_cache")
     mb = args.mb

@@ -1,9 +1,10 @@
 """Leaf records: how the built-in backends describe a pytree's leaves in JSON.
 
-Shared by the `npz` and `orbax` backends (and usable by a plugin's): one record per
-leaf (its path, kind, dtype name and shape; Python scalars and strings inline), nesting
-stored leaves back into dicts, placing them like a ``like`` tree, and the lock and
-clean-up of temporaries in a checkpoint directory.
+Shared by the `npz` and `orbax` backends (and usable by a plugin's): one `LeafRecord`
+per leaf (its path, kind, dtype name and shape; Python scalars and strings inline),
+JSON only at the file boundary (`LeafRecord.to_json`, `read_records`); nesting stored
+leaves back into dicts, placing them like a ``like`` tree (in one batch: `put_all`),
+and the lock and clean-up of temporaries in a checkpoint directory.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, NamedTuple, Sequence
 
 import jax
 import ml_dtypes
@@ -26,9 +27,6 @@ from loopkit.fs import fsync_dir
 from loopkit.pytree import is_key, leaf_path
 
 log = logging.getLogger("loopkit")
-
-_PY_TYPES = (bool, int, float, str)
-
 
 # -- leaf records, shared with the orbax backend -----------------------------------
 
@@ -55,41 +53,121 @@ def dtype_from_name(name: str) -> np.dtype:
     return dtype
 
 
-def leaf_records(state: Any) -> tuple[list[dict], list[Any]]:
-    """One JSON-able record per leaf of ``state`` (None leaves included), and the leaves.
+_ARRAY_KINDS = ("jax", "key", "array", "npscalar")
+_PY_VALUE = (bool, int, float, str)  # Python leaves stored inline; exactly these types
 
-    A record holds ``path`` (the keys, as strings), ``kind`` (``"array"`` for numpy,
-    ``"jax"``, ``"key"`` for a typed PRNG key, ``"npscalar"``, ``"py"`` for a Python
-    scalar or string stored inline, ``"none"``), and for arrays ``dtype`` and
-    ``shape`` of what is stored; a key stores its key data (uint32) and its
-    implementation's name as ``impl``; a weakly-typed jax array has ``weak: true``.
-    The leaf list holds, for array kinds, the array to store (not yet copied to the
-    host), else None.
+
+class LeafRecord(NamedTuple):
+    """One leaf of a stored state, as the built-in backends describe it.
+
+    ``kind`` is ``"array"`` for numpy, ``"jax"``, ``"key"`` for a typed PRNG key,
+    ``"npscalar"``, ``"py"`` for a Python scalar or string stored inline in
+    ``value``, or ``"none"``. Array kinds have ``dtype`` (a `dtype_name`) and
+    ``shape`` of what is stored: a key stores its key data (uint32) and its
+    implementation's name as ``impl``; ``weak`` marks a weakly-typed jax array.
+    ``member`` is where a backend keeps the data (the npz member's name).
+    """
+
+    path: tuple[str, ...]
+    kind: str
+    dtype: str | None = None
+    shape: tuple[int, ...] | None = None
+    value: bool | int | float | str | None = None
+    impl: str | None = None
+    weak: bool = False
+    member: str | None = None
+
+    @property
+    def name(self) -> str:
+        """The leaf path: the keys joined by ``/``."""
+        return "/".join(self.path)
+
+    @property
+    def has_array(self) -> bool:
+        """Whether the leaf is array data (not None, nor a Python value stored inline)."""
+        return self.kind in _ARRAY_KINDS
+
+    def struct(self) -> jax.ShapeDtypeStruct | None:
+        """The shape and dtype the leaf restores as (None for None leaves and strings)."""
+        if self.kind == "none":
+            return None
+        if self.kind == "py":
+            if isinstance(self.value, str):
+                return None
+            # what jax makes of a Python scalar: the default dtype of its kind
+            dtype = jax.dtypes.canonicalize_dtype(np.asarray(self.value).dtype)
+            return jax.ShapeDtypeStruct((), dtype)
+        return jax.ShapeDtypeStruct(self.shape, dtype_from_name(self.dtype))
+
+    def to_json(self) -> dict:
+        """The record as JSON (the keys of the checkpoints written so far)."""
+        out: dict = {"path": list(self.path), "kind": self.kind}
+        if self.kind == "py":
+            out["value"] = self.value
+        elif self.kind != "none":
+            out["dtype"], out["shape"] = self.dtype, list(self.shape)
+            if self.impl is not None:
+                out["impl"] = self.impl
+            if self.weak:
+                out["weak"] = True
+            if self.member is not None:
+                out["member"] = self.member
+        return out
+
+    @classmethod
+    def from_json(cls, obj: Any) -> LeafRecord:
+        """A record read from a file, checked (it is data, not trusted); ValueError if malformed."""
+        if not (isinstance(obj, dict) and isinstance(obj.get("path"), list)
+                and all(isinstance(p, str) for p in obj["path"])):
+            raise ValueError(f"malformed leaf record {obj!r}")
+        path, kind = tuple(obj["path"]), obj.get("kind")
+        if kind == "none":
+            return cls(path, kind)
+        if kind == "py":
+            if type(obj.get("value")) not in _PY_VALUE:
+                raise ValueError(f"leaf {'/'.join(path)!r}: malformed inline value")
+            return cls(path, kind, value=obj["value"])
+        shape, impl, weak, member = (obj.get("shape"), obj.get("impl"), obj.get("weak", False),
+                                     obj.get("member"))
+        try:
+            dtype_from_name(obj.get("dtype"))
+        except TypeError as e:
+            raise ValueError(f"leaf {'/'.join(path)!r}: {e}") from None
+        if not (kind in _ARRAY_KINDS and type(weak) is bool and isinstance(shape, list)
+                and all(type(n) is int and n >= 0 for n in shape)
+                and (impl is None if kind != "key" else isinstance(impl, str))
+                and (member is None or isinstance(member, str))):
+            raise ValueError(f"leaf {'/'.join(path)!r}: malformed record")
+        return cls(path, kind, obj["dtype"], tuple(shape), None, impl, weak, member)
+
+
+def leaf_records(state: Any) -> tuple[list[LeafRecord], list[Any]]:
+    """One `LeafRecord` per leaf of ``state`` (None leaves included), and the leaves.
+
+    The leaf list holds, for array kinds, the array to store (not yet copied to
+    the host; a typed key's key data), else None.
     """
     flat, _ = jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda x: x is None)
-    records, leaves, seen = [], [], {}
+    records, leaves, seen = [], [], set()
     for keypath, leaf in flat:
-        path = [leaf_path((k,)) for k in keypath]
-        name = "/".join(path)
-        if name in seen:
-            raise ValueError(f"checkpoint leaf path {name!r} occurs twice in the state "
+        path = tuple(leaf_path((k,)) for k in keypath)
+        if path in seen:
+            raise ValueError(f"checkpoint leaf path {'/'.join(path)!r} occurs twice in the state "
                              "(keys that differ only in type, such as 1 and '1')")
-        seen[name] = True
+        seen.add(path)
         if leaf is None:
-            records.append({"path": path, "kind": "none"})
+            records.append(LeafRecord(path, "none"))
             leaves.append(None)
-        elif type(leaf) in _PY_TYPES:  # exactly: np.float64 is a float subclass
-            records.append({"path": path, "kind": "py", "value": leaf})
+        elif type(leaf) in _PY_VALUE:  # exactly: np.float64 is a float subclass
+            records.append(LeafRecord(path, "py", value=leaf))
             leaves.append(None)
         else:
-            extra: dict = {}
+            impl, weak = None, False
             if isinstance(leaf, jax.Array) and is_key(leaf.dtype):
-                kind, extra["impl"] = "key", str(jax.random.key_impl(leaf))
+                kind, impl = "key", str(jax.random.key_impl(leaf))
                 leaf = jax.random.key_data(leaf)
             elif isinstance(leaf, jax.Array):
-                kind = "jax"
-                if getattr(leaf, "weak_type", False):
-                    extra["weak"] = True
+                kind, weak = "jax", bool(getattr(leaf, "weak_type", False))
             elif isinstance(leaf, np.generic):
                 kind = "npscalar"
             elif isinstance(leaf, np.ndarray):
@@ -100,61 +178,30 @@ def leaf_records(state: Any) -> tuple[list[dict], list[Any]]:
             try:
                 dtype = dtype_name(leaf.dtype)
             except TypeError as e:
-                raise TypeError(f"checkpoint leaf {name!r}: {e}") from None
-            records.append({"path": path, "kind": kind, "dtype": dtype,
-                            "shape": list(leaf.shape), **extra})
+                raise TypeError(f"checkpoint leaf {'/'.join(path)!r}: {e}") from None
+            records.append(LeafRecord(path, kind, dtype, tuple(leaf.shape), None, impl, weak))
             leaves.append(leaf)
     return records, leaves
 
 
-def record_struct(rec: dict) -> jax.ShapeDtypeStruct | None:
-    """The shape and dtype a record's leaf restores as (None for None leaves and strings)."""
-    if rec["kind"] == "none":
-        return None
-    if rec["kind"] == "py":
-        if isinstance(rec["value"], str):
-            return None
-        # what jax makes of a Python scalar: the default dtype of its kind
-        dtype = jax.dtypes.canonicalize_dtype(np.asarray(rec["value"]).dtype)
-        return jax.ShapeDtypeStruct((), dtype)
-    return jax.ShapeDtypeStruct(tuple(rec["shape"]), dtype_from_name(rec["dtype"]))
-
-
-def check_records(records: Any, where: str) -> list[dict]:
-    """``records`` read from a file, checked: they are data, not trusted."""
-
-    def ok(rec: Any) -> bool:
-        if not (isinstance(rec, dict) and isinstance(rec.get("path"), list)
-                and all(isinstance(p, str) for p in rec["path"])):
-            return False
-        if rec.get("kind") == "none":
-            return True
-        if rec.get("kind") == "py":
-            return type(rec.get("value")) in _PY_TYPES
-        shape = rec.get("shape")
-        try:
-            dtype_from_name(rec.get("dtype"))
-        except TypeError:
-            return False
-        if rec.get("kind") == "key" and not isinstance(rec.get("impl"), str):
-            return False
-        return (rec.get("kind") in ("jax", "key", "array", "npscalar")
-                and type(rec.get("weak", False)) is bool and isinstance(shape, list)
-                and all(type(n) is int and n >= 0 for n in shape))
-
-    if not (isinstance(records, list) and all(map(ok, records))):
+def read_records(obj: Any, where: str) -> list[LeafRecord]:
+    """The leaf records ``obj`` (JSON read from ``where``) describes; CheckpointError if malformed."""
+    if not isinstance(obj, list):
         raise CheckpointError(f"checkpoint {where} has a malformed leaf index")
-    return records
+    try:
+        return [LeafRecord.from_json(r) for r in obj]
+    except ValueError as e:
+        raise CheckpointError(f"checkpoint {where} has a malformed leaf index: {e}") from None
 
 
-def nest(records: Sequence[dict], values: Sequence[Any]) -> Any:
+def nest(paths: Sequence[Sequence[str]], values: Sequence[Any]) -> Any:
     """Nested dicts keyed by the path components, holding ``values`` (None leaves as None)."""
-    if len(records) == 1 and not records[0]["path"]:
+    if len(paths) == 1 and not paths[0]:
         return values[0]  # the state was a single leaf
     root: dict = {}
-    for rec, value in zip(records, values):
+    for path, value in zip(paths, values):
         node = root
-        *parents, last = rec["path"] or [""]
+        *parents, last = path or [""]
         for key in parents:
             node = node.setdefault(key, {})
         node[last] = value
@@ -190,24 +237,23 @@ def placement(like_leaf: Any, shape: tuple[int, ...], dtype: np.dtype) -> tuple[
     return False, None
 
 
-def host_value(rec: dict, arr: np.ndarray | None) -> Any:
+def host_value(rec: LeafRecord, arr: np.ndarray | None) -> Any:
     """A record's leaf as stored, on the host."""
-    kind = rec["kind"]
-    if kind == "none":
+    if rec.kind == "none":
         return None
-    if kind == "py":
-        return rec["value"]
-    return arr[()] if kind == "npscalar" else arr
+    if rec.kind == "py":
+        return rec.value
+    return arr[()] if rec.kind == "npscalar" else arr
 
 
-def finish(rec: dict, value: Any) -> Any:
+def finish(rec: LeafRecord, value: Any) -> Any:
     """A restored leaf as it was saved: a typed key rewrapped, a weak type given back.
 
     ``value`` is what the backend read and placed (a jax array, or on the host).
     """
-    if rec["kind"] == "key":
-        return jax.random.wrap_key_data(value, impl=rec["impl"])
-    if rec.get("weak") and isinstance(value, jax.Array) and not getattr(value, "weak_type", True):
+    if rec.kind == "key":
+        return jax.random.wrap_key_data(value, impl=rec.impl)
+    if rec.weak and isinstance(value, jax.Array) and not getattr(value, "weak_type", True):
         return _weak(value)
     return value
 
@@ -218,17 +264,37 @@ def _weak(x: jax.Array) -> jax.Array:
         scalar = jax.numpy.asarray(x.item())  # a Python scalar: weak, default dtype
         if scalar.dtype == x.dtype and scalar.weak_type:
             return jax.device_put(scalar, x.sharding)
-    # no public API makes a weak array of any dtype and shape
-    from jax._src.lax.lax import _convert_element_type
-
-    return jax.jit(lambda y: _convert_element_type(y, y.dtype, weak_type=True))(x)
+    # an identity compiled for a weakly-typed input of x's kind returns x weakly typed
+    weak = jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=True, sharding=x.sharding)
+    return jax.jit(lambda y: y).lower(weak).compile()(x)
 
 
 def put(arr: np.ndarray, sharding: Any) -> jax.Array:
     """``arr`` as a jax array with ``sharding`` (None: the default device)."""
-    if sharding is None:
-        return jax.device_put(arr)
-    return jax.make_array_from_callback(arr.shape, sharding, lambda index: arr[index])
+    return put_all([arr], [sharding])[0]
+
+
+def put_all(arrays: Sequence[np.ndarray], shardings: Sequence[Any]) -> list[jax.Array]:
+    """Each array as a jax array with its sharding (None: the default device).
+
+    Batched: one `jax.device_put` for all that this process holds whole (a call
+    per leaf costs tens of µs of Python, which thousands of leaves add up).
+    """
+    out: list[Any] = [None] * len(arrays)
+    default = [i for i, s in enumerate(shardings) if s is None]
+    given = [i for i, s in enumerate(shardings) if s is not None and s.is_fully_addressable]
+    if default:
+        for i, x in zip(default, jax.device_put([arrays[i] for i in default])):
+            out[i] = x
+    if given:
+        for i, x in zip(given, jax.device_put([arrays[i] for i in given],
+                                              [shardings[i] for i in given])):
+            out[i] = x
+    for i, s in enumerate(shardings):
+        if out[i] is None:
+            arr = arrays[i]
+            out[i] = jax.make_array_from_callback(arr.shape, s, lambda index, a=arr: a[index])
+    return out
 
 
 # -- temporaries of dead saves --------------------------------------------------------

@@ -35,7 +35,11 @@ stay valid and unchanged for as long as this backend holds them (jax arrays are
 immutable). So `save` only flattens the tree,
 copies numpy leaves (those the caller could mutate in place), and hands the
 rest -- the host copy, orbax's save, fsyncs, rename -- to one background thread,
-which runs a synchronous orbax `Checkpointer`. Its barriers go through the
+which runs a synchronous orbax `Checkpointer`. There, the leaves this process
+holds whole go to orbax as numpy arrays (the host copy; on CPU a view), which
+orbax stores exactly as it stores jax arrays but without writing each one's
+sharding to a metadata file in turn (most of a save's time with thousands of
+leaves), and without its defensive copy of numpy arrays (the thread owns them). Its barriers go through the
 jax.distributed client (``active_processes`` set), not orbax's default device
 collectives, which in a background thread would interleave with the training
 step's own collectives in a different order on each process; every process
@@ -65,7 +69,7 @@ from loopkit.errors import CheckpointError
 from loopkit.fs import fsync_dir, fsync_tree
 from loopkit.pytree import conform
 from loopkit.plugins.leaf_records import (
-    leaf_records, like_leaves, nest, record_struct, remove_stale, saving_lock,
+    leaf_records, like_leaves, nest, remove_stale, saving_lock,
 )
 from loopkit.plugins.orbax_reader import (
     HEAD_KEY as _KEY, VERSION as _VERSION, Head, read_arrays, read_head, sequence_nodes,
@@ -77,12 +81,13 @@ if TYPE_CHECKING:
 __all__ = ["OrbaxBackend"]
 
 _TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's, see atomicity_types.TMP_DIR_SUFFIX
+_STEP_METADATA = "_CHECKPOINT_METADATA"  # the step metadata file orbax's finalize updates
 
 
 def _durable_rename_class() -> type:
     """orbax's atomic-rename temporary path, with fsyncs around the rename."""
     import orbax.checkpoint as ocp
-    from orbax.checkpoint._src.metadata import checkpoint as step_metadata
+    from etils import epath
 
     class _DurableRename(ocp.path.atomicity.AtomicRenameTemporaryPath):
         async def finalize(self) -> None:
@@ -90,7 +95,7 @@ def _durable_rename_class() -> type:
             store = getattr(self, "_checkpoint_metadata_store", None)
             if store is not None:  # what orbax's own finalize records
                 store.wait_until_finished()
-                store.update(file_path=step_metadata.step_metadata_file_path(tmp),
+                store.update(file_path=epath.Path(tmp) / _STEP_METADATA,
                              commit_timestamp_nsecs=time.time_ns())
                 store.wait_until_finished()
             fsync_tree(tmp)
@@ -98,6 +103,21 @@ def _durable_rename_class() -> type:
             fsync_dir(final.parent)
 
     return _DurableRename
+
+
+def _save_registry() -> Any:
+    """orbax's standard type handlers, but numpy arrays are written without a deep copy.
+
+    The save thread owns the arrays it hands to orbax (numpy leaves were copied by
+    `save`; the rest are views of immutable jax arrays), so orbax's defensive copy
+    would only double the memory a save takes.
+    """
+    import orbax.checkpoint as ocp
+
+    th = ocp.type_handlers
+    return th.create_type_handler_registry(
+        *[(t, th.get_type_handler(t)) for t in (int, float, bytes, np.number, jax.Array, str)],
+        (np.ndarray, th.NumpyHandler(deepcopy_host_arrays=False)))
 
 
 class OrbaxBackend:
@@ -133,15 +153,16 @@ class OrbaxBackend:
             active_processes=set(range(jax.process_count())) if jax.process_count() > 1
             else None)
 
-        def checkpointer() -> Any:
+        def checkpointer(**options: Any) -> Any:
             return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(
                 use_ocdbt=use_ocdbt, use_zarr3=use_zarr3, use_compression=use_compression,
                 save_concurrent_gb=save_concurrent_gb,
                 restore_concurrent_gb=restore_concurrent_gb,
-                multiprocessing_options=multiprocessing), temporary_path_class=path_class,
-                multiprocessing_options=multiprocessing)
+                multiprocessing_options=multiprocessing, **options),
+                temporary_path_class=path_class, multiprocessing_options=multiprocessing)
 
-        self._saver = checkpointer()   # used by the save thread only
+        # used by the save thread only; host arrays are not copied again (see _write)
+        self._saver = checkpointer(type_handler_registry=_save_registry())
         self._reader = checkpointer()  # used by the caller's thread only
         self._primary = ocp.multihost.is_primary_host(0)
         self._thread: threading.Thread | None = None
@@ -163,30 +184,29 @@ class OrbaxBackend:
         names: dict[str, str] = {}
         stored: list[Any] = []  # the state's leaves as orbax stores them, None where it stores none
         for rec, leaf in zip(records, leaves):
-            struct = record_struct(rec)
+            struct = rec.struct()
             if struct is None or 0 in struct.shape:
                 stored.append(None)  # None, a string, or empty: kept in the records alone
                 continue
-            path = rec["path"] or ["state"]
-            name = ".".join(path)  # orbax names arrays by their keys joined with "."
+            name = ".".join(rec.path or ("state",))  # orbax names arrays by keys joined with "."
             if name in names:
-                raise ValueError(f"checkpoint leaves {names[name]!r} and {'/'.join(path)!r} "
+                raise ValueError(f"checkpoint leaves {names[name]!r} and {rec.name!r} "
                                  f"would both be stored by orbax as {name!r}")
-            names[name] = "/".join(path)
-            if rec["kind"] == "py":
+            names[name] = rec.name
+            if rec.kind == "py":
                 # also stored as an array, so that orbax alone restores the whole state
                 try:
                     with np.errstate(over="raise"):
-                        leaf = np.asarray(rec["value"], struct.dtype)
+                        leaf = np.asarray(rec.value, struct.dtype)
                 except (OverflowError, FloatingPointError):  # too big for jax's dtype too
-                    leaf = np.asarray(rec["value"])
+                    leaf = np.asarray(rec.value)
             elif not isinstance(leaf, jax.Array):
                 leaf = np.array(leaf)  # a copy: numpy arrays can change under the writer
             elif leaf.is_deleted():
                 raise ValueError(f"checkpoint leaf {names[name]!r} was deleted (donated?)")
             stored.append(leaf)
         # The state's own structure, as `StandardCheckpointer().save(path, state)` writes it.
-        if len(records) == 1 and not records[0]["path"]:
+        if len(records) == 1 and not records[0].path:
             tree = {"state": stored[0]}  # a single leaf: orbax needs a container
         else:
             treedef = jax.tree_util.tree_structure(state, is_leaf=lambda x: x is None)
@@ -194,7 +214,8 @@ class OrbaxBackend:
         if not names:
             tree = {"__empty__": np.zeros((1,), np.uint8)}  # orbax needs one array
         custom = {_KEY: {"version": _VERSION, "step": step, "metadata": metadata,
-                         "leaves": records, "sequences": sequence_nodes(tree)}}
+                         "leaves": [r.to_json() for r in records],
+                         "sequences": sequence_nodes(tree)}}
         try:
             json.dumps(custom)
         except (TypeError, ValueError) as e:
@@ -220,6 +241,13 @@ class OrbaxBackend:
                     shutil.rmtree(trash, ignore_errors=True)
                     os.rename(final, trash)
                     fsync_dir(self.directory)
+                # What this process holds whole is handed to orbax as numpy (on CPU a
+                # view, elsewhere the host copy orbax would make): orbax writes a jax
+                # array's sharding to a metadata file one array at a time, most of the
+                # cost of a save with thousands of leaves; the data written is the same.
+                tree = jax.tree.map(
+                    lambda x: np.asarray(x) if isinstance(x, jax.Array)
+                    and x.is_fully_addressable else x, tree)
                 self._saver.save(final, args=ocp.args.PyTreeSave(tree), custom_metadata=custom)
                 if self._primary:
                     shutil.rmtree(trash, ignore_errors=True)
@@ -290,21 +318,20 @@ class OrbaxBackend:
             self.wait()
         head = self._head(step)
         values = read_arrays(self._reader, self.path(step), head, head.records, like_leaves(like))
-        state = nest(head.records, values)
+        state = nest([r.path for r in head.records], values)
         return (state if like is None else conform(state, like)), head.metadata
 
     def structure(self, step: int) -> dict[str, Any]:
         """Leaf path -> shape and dtype of every leaf of ``step``, without reading array data."""
-        return {"/".join(r["path"]): s for r in self._head(step).records
-                if (s := record_struct(r)) is not None}
+        return {r.name: s for r in self._head(step).records if (s := r.struct()) is not None}
 
     def restore_leaves(self, step: int, paths: Sequence[str]) -> dict[str, Any]:
         """Read only the leaves at ``paths`` (orbax partial restore)."""
         head = self._head(step)
         wanted = set(paths)
-        chosen = [r for r in head.records if "/".join(r["path"]) in wanted and r["kind"] != "none"]
-        missing = wanted - {"/".join(r["path"]) for r in chosen}
+        chosen = [r for r in head.records if r.name in wanted and r.kind != "none"]
+        missing = wanted - {r.name for r in chosen}
         if missing:
             raise KeyError(f"checkpoint {self.path(step)} has no leaves {sorted(missing)}")
         values = read_arrays(self._reader, self.path(step), head, chosen, {})
-        return {"/".join(r["path"]): v for r, v in zip(chosen, values)}
+        return {r.name: v for r, v in zip(chosen, values)}

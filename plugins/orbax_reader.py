@@ -20,7 +20,8 @@ import numpy as np
 
 from loopkit.errors import CheckpointError
 from loopkit.plugins.leaf_records import (
-    check_records, dtype_name, finish, host_value, nest, placement, put, record_struct,
+    LeafRecord, dtype_name, finish, host_value, like_leaves, nest, placement, put_all,
+    read_records,
 )
 
 __all__ = ["Head", "OrbaxCheckpoint", "is_orbax_tree", "read_arrays", "read_head"]
@@ -34,7 +35,7 @@ READS = (1, 2)
 class Head:
     """What a checkpoint holds, read without its array data."""
 
-    records: list[dict]
+    records: list[LeafRecord]
     sequences: dict[tuple[str, ...], int]  # stored nodes orbax holds as lists: their lengths
     metadata: dict
     step: int | None = None
@@ -96,7 +97,7 @@ def read_head(path: Path) -> Head:
         raise
     except Exception as e:
         raise CheckpointError(f"checkpoint {path} cannot be read: {e}") from e
-    records = check_records(head.get("leaves"), str(path))
+    records = read_records(head.get("leaves"), str(path))
     return Head(records, sequences, head.get("metadata") or {},
                 step if type(step) is int else None)
 
@@ -109,7 +110,7 @@ def _foreign_head(path: Path) -> Head:
         raise ValueError("it is not an orbax PyTree checkpoint (no _METADATA file)")
     with ocp.PyTreeCheckpointer() as reader:
         tree = reader.metadata(path).item_metadata.tree
-    records: list[dict] = []
+    records: list[LeafRecord] = []
     sequences: dict[tuple[str, ...], int] = {}
 
     def walk(node: Any, prefix: list[str]) -> None:
@@ -121,10 +122,10 @@ def _foreign_head(path: Path) -> Head:
             for i, child in enumerate(node):
                 walk(child, prefix + [str(i)])
         elif node is None:
-            records.append({"path": prefix, "kind": "none"})
+            records.append(LeafRecord(tuple(prefix), "none"))
         elif isinstance(node, (ocp.metadata.ArrayMetadata, ocp.metadata.ScalarMetadata)):
-            records.append({"path": prefix, "kind": "array", "dtype": dtype_name(node.dtype),
-                            "shape": list(node.shape)})
+            records.append(LeafRecord(tuple(prefix), "array", dtype_name(node.dtype),
+                                      tuple(node.shape)))
         # strings (StringMetadata) are not array data: left out
 
     walk(tree, [])
@@ -138,7 +139,7 @@ def _target(head: Head, args: dict[str, Any]) -> Any:
     what is None but needs every list whole.
     """
     root: dict = {}
-    for path in [r["path"] or ["state"] for r in head.records] + [list(p) for p in head.sequences]:
+    for path in [r.path or ("state",) for r in head.records] + list(head.sequences):
         node = root
         for key in path[:-1]:
             node = node.setdefault(key, {})
@@ -165,7 +166,7 @@ def _lookup(tree: Any, path: Sequence[str]) -> Any:
     return tree
 
 
-def read_arrays(reader: Any, path: Path, head: Head, records: Sequence[dict],
+def read_arrays(reader: Any, path: Path, head: Head, records: Sequence[LeafRecord],
                 like: dict[str, Any]) -> list[Any]:
     """The leaves of ``records`` (a subset of ``head.records``) at ``path``, placed by ``like``.
 
@@ -173,52 +174,56 @@ def read_arrays(reader: Any, path: Path, head: Head, records: Sequence[dict],
     """
     import orbax.checkpoint as ocp
 
-    stored, args, puts = [], [], {}
+    stored, args, puts = [], {}, {}
     for rec in records:
-        struct = record_struct(rec)
-        if rec["kind"] in ("none", "py") or 0 in struct.shape:
+        struct = rec.struct()
+        if not rec.has_array or 0 in struct.shape:
             continue
-        as_jax, sharding = placement(like.get("/".join(rec["path"])), struct.shape, struct.dtype)
-        name = "/".join(rec["path"] or ["state"])
+        as_jax, sharding = placement(like.get(rec.name), struct.shape, struct.dtype)
+        name = "/".join(rec.path or ("state",))
         if as_jax and sharding is not None and not sharding.is_fully_addressable:
             # orbax reads only this process's shards
-            arg = ocp.ArrayRestoreArgs(sharding=sharding, global_shape=struct.shape)
+            args[name] = ocp.ArrayRestoreArgs(sharding=sharding, global_shape=struct.shape)
         else:
             # This process needs every byte anyway: read to the host and place it
             # here (orbax's jax path fills a zeroed host buffer, then copies it
             # to the device; a few % slower, measured).
-            arg = ocp.RestoreArgs(restore_type=np.ndarray)
+            args[name] = ocp.RestoreArgs(restore_type=np.ndarray)
             if as_jax:
                 puts[name] = sharding
-        stored.append({"path": rec["path"] or ["state"]})
-        args.append(arg)
+        stored.append(rec.path or ("state",))
     values: dict[str, Any] = {}
     if stored:
         # A partial restore with the stored structure as target: exact for what it
         # names, and it skips the empty nodes (EmptyState, {}) a full restore needs.
-        target = _target(head, {"/".join(r["path"]): a for r, a in zip(stored, args)})
+        target = _target(head, args)
         try:
             tree = reader.restore(path, args=ocp.args.PyTreeRestore(
                 item=target, restore_args=target, partial_restore=True))
         except Exception as e:
             raise CheckpointError(f"checkpoint {path} cannot be read: {e}") from e
-        for rec in stored:
-            name = "/".join(rec["path"])
-            node = _lookup(tree, rec["path"])
-            values[name] = put(node, puts[name]) if name in puts else node
+        values = {"/".join(p): _lookup(tree, p) for p in stored}
+        names = list(puts)  # placed in one batch: a device_put per leaf adds up
+        values.update(zip(names, put_all([values[n] for n in names], [puts[n] for n in names])))
     out = []
+    empties, shardings = [], []
     for rec in records:
-        struct = record_struct(rec)
-        if rec["kind"] in ("none", "py"):
+        struct = rec.struct()
+        if not rec.has_array:
             out.append(host_value(rec, None))
         elif 0 in struct.shape:  # not in orbax: made here, placed like the others
             empty = np.zeros(struct.shape, struct.dtype)
-            as_jax, sharding = placement(like.get("/".join(rec["path"])), struct.shape, struct.dtype)
-            out.append(finish(rec, put(empty, sharding) if as_jax else host_value(rec, empty)))
+            as_jax, sharding = placement(like.get(rec.name), struct.shape, struct.dtype)
+            if as_jax:
+                empties.append(len(out))
+                shardings.append(sharding)
+            out.append(host_value(rec, empty))
         else:
-            value = values["/".join(rec["path"] or ["state"])]
-            out.append(finish(rec, value[()] if rec["kind"] == "npscalar" else value))
-    return out
+            value = values["/".join(rec.path or ("state",))]
+            out.append(value[()] if rec.kind == "npscalar" else value)
+    for i, x in zip(empties, put_all([out[i] for i in empties], shardings)):
+        out[i] = x
+    return [finish(rec, value) for rec, value in zip(records, out)]
 
 
 class OrbaxCheckpoint:
@@ -248,27 +253,25 @@ class OrbaxCheckpoint:
         return read_head(self._path)
 
     def restore(self, step: int, like: Any = None) -> tuple[Any, dict]:
-        from loopkit.plugins.leaf_records import like_leaves
         from loopkit.pytree import conform
 
         head = self._head(step)
-        state = nest(head.records, read_arrays(self._reader, self._path, head, head.records,
-                                               like_leaves(like)))
+        state = nest([r.path for r in head.records],
+                     read_arrays(self._reader, self._path, head, head.records, like_leaves(like)))
         return (state if like is None else conform(state, like)), head.metadata
 
     def structure(self, step: int) -> dict[str, Any]:
-        return {"/".join(r["path"]): s for r in self._head(step).records
-                if (s := record_struct(r)) is not None}
+        return {r.name: s for r in self._head(step).records if (s := r.struct()) is not None}
 
     def restore_leaves(self, step: int, paths: Sequence[str]) -> dict[str, Any]:
         head = self._head(step)
         wanted = set(paths)
-        chosen = [r for r in head.records if "/".join(r["path"]) in wanted and r["kind"] != "none"]
-        missing = wanted - {"/".join(r["path"]) for r in chosen}
+        chosen = [r for r in head.records if r.name in wanted and r.kind != "none"]
+        missing = wanted - {r.name for r in chosen}
         if missing:
             raise KeyError(f"checkpoint {self._path} has no leaves {sorted(missing)}")
         values = read_arrays(self._reader, self._path, head, chosen, {})
-        return {"/".join(r["path"]): v for r, v in zip(chosen, values)}
+        return {r.name: v for r, v in zip(chosen, values)}
 
     def save(self, step: int, state: Any, metadata: dict) -> None:
         raise CheckpointError(f"{self._path} is read-only here: loopkit reads it, it does not write it")

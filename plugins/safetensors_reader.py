@@ -119,7 +119,7 @@ class SafetensorsCheckpoint:
         records, leaves = [], []
         for p, arr in values.items():
             as_jax, sharding = placement(want.get(p), arr.shape, arr.dtype)
-            records.append({"path": p.split("/")})
+            records.append(tuple(p.split("/")))
             leaves.append(put(np.asarray(arr), sharding) if as_jax else arr)
         state = nest(records, leaves)
         return (state if like is None else conform(state, like)), {}

@@ -440,3 +440,26 @@ def test_npz_never_pickles_on_save(tmp_path):
     with pytest.raises(TypeError, match="'obj'"):
         backend.save(1, {"obj": np.array([object()], dtype=object)}, {})
     assert backend.steps() == [] and os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("bad", [
+    {"path": ["w"], "kind": "jax", "dtype": "object", "shape": [3]},
+    {"path": ["w"], "kind": "jax", "dtype": "<f4", "shape": [-3]},
+    {"path": ["w"], "kind": "key", "dtype": "<u4", "shape": [2]},  # no impl
+    {"path": ["w"], "kind": "py", "value": [1, 2]},
+    {"path": "w", "kind": "none"},
+])
+def test_npz_malformed_leaf_record_is_a_corrupt_checkpoint(tmp_path, bad):
+    import io
+    import json
+
+    backend = NpzBackend(tmp_path)
+    backend.save(1, {"w": np.zeros(3, np.float32)}, {})
+    with zipfile.ZipFile(backend.path(1)) as zf:
+        head = json.loads(np.load(io.BytesIO(zf.read("__loopkit__.npy"))).tobytes())
+    head["leaves"] = [bad]
+    buf = io.BytesIO()
+    np.save(buf, np.frombuffer(json.dumps(head).encode(), np.uint8))
+    _rewrite_member(backend.path(1), "__loopkit__.npy", buf.getvalue())
+    with pytest.raises(loopkit.CheckpointError, match="model.ckpt-1.npz.*malformed leaf index"):
+        backend.restore(1, None)

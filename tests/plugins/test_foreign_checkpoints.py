@@ -156,12 +156,18 @@ def test_tensorflow_reads_the_checkpoint_file(tmp_path):
 
 def write_release_0_1_checkpoint(path, state, step):
     """The orbax backend's writer of loopkit 0.1.0: nested dicts keyed by path components."""
-    from loopkit.plugins.leaf_records import leaf_records, nest
-
-    records, leaves = leaf_records(state)
-    arrays = [(r["path"], np.asarray(x)) for r, x in zip(records, leaves)
-              if x is not None and x.size]
-    tree = nest([{"path": p} for p, _ in arrays], [a for _, a in arrays])
+    records, tree = [], {}
+    for keypath, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        keys = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in keypath]
+        if isinstance(leaf, float):
+            records.append({"path": keys, "kind": "py", "value": leaf})
+            continue
+        records.append({"path": keys, "kind": "jax", "dtype": leaf.dtype.str,
+                        "shape": list(leaf.shape)})
+        node = tree
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+        node[keys[-1]] = np.asarray(leaf)
     head = {"version": 1, "step": step, "leaves": records,
             "metadata": {"step": step, "data_position": None, "timestamp": 0.0}}
     with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as ck:
