@@ -98,7 +98,8 @@ class _Layout(NamedTuple):
 class CompiledStep:
     """`step_fn` as the loop calls it: ``live, metrics = call(live, *batch)``.
 
-    `live` is what the step donates (`state` assembles the full state from it);
+    `live` is what the step donates: the rewritten leaves (a tuple), paired with the
+    carries' values when there are carries (`state` assembles the full state from it);
     `set_state` replaces the state, split again at the next call.
     """
 
@@ -133,6 +134,7 @@ class CompiledStep:
         self._ahead = False  # the donating variant compiled (off CPU)
         self._copier: Any = None
         self._firsts: tuple = ()
+        self._bound = False  # the jitted function takes the frozen leaves first
         attach(carries, self)
 
     # -- the state ---------------------------------------------------------------------
@@ -150,10 +152,11 @@ class CompiledStep:
         layout, live = self._layout, self.live
         if self.user_jitted or live is None:
             return live
+        part = live[0] if self.carries else live
         if layout is None:  # not jitted by loopkit, or a structure-changing step
-            return live[0]
+            return part
         leaves: list[Any] = [None] * layout.treedef.num_leaves
-        for i, x in zip(layout.rewritten, live[0]):
+        for i, x in zip(layout.rewritten, part):
             leaves[i] = x
         for i, x in zip(layout.frozen, self.frozen):
             leaves[i] = x
@@ -168,7 +171,7 @@ class CompiledStep:
             return [leaves[i] for i in self._layout.rewritten]
         if self.user_jitted or self._layout is None:
             return jax.tree.leaves(self.state())
-        return list(self.live[0])
+        return list(self.live[0] if self.carries else self.live)
 
     def stage(self, state: PyTree) -> Staged:
         """`state` made safe to read from another thread while the next steps run."""
@@ -237,6 +240,8 @@ class CompiledStep:
         layout = self._layout
         if layout is None:
             def inner(frozen: tuple, live: Any, *batch: Any) -> Any:
+                if not carries:
+                    return fn(live, *batch)
                 state, values = live
                 new, metrics = fn(state, *batch)
                 return (new, update_all(carries, values, new, metrics)), metrics
@@ -245,7 +250,7 @@ class CompiledStep:
             size = treedef.num_leaves
 
             def inner(frozen: tuple, live: Any, *batch: Any) -> Any:
-                part, values = live
+                part, values = live if carries else (live, ())
                 leaves: list[Any] = [None] * size
                 for i, x in zip(rw, part):
                     leaves[i] = x
@@ -253,26 +258,40 @@ class CompiledStep:
                     leaves[i] = x
                 new, metrics = fn(treedef.unflatten(leaves), *batch)
                 out = treedef.flatten_up_to(new)
-                return (tuple(out[i] for i in rw),
-                        update_all(carries, values, new, metrics)), metrics
+                part = tuple(out[i] for i in rw)
+                if not carries:
+                    return part, metrics
+                return (part, update_all(carries, values, new, metrics)), metrics
+
+        # With no frozen leaf the jitted function takes `live` alone: the loop then
+        # calls it directly, with no argument bound in front (measured: ~0.3 us/step).
+        self._bound = layout is not None and bool(layout.frozen)
+        if not self._bound:
+            fn3 = inner
+
+            def inner(live: Any, *batch: Any) -> Any:  # type: ignore[no-redef]
+                return fn3((), live, *batch)
 
         if not self.jit:
             self._donating = self._plain = inner
             return
         kw: dict[str, Any] = {}
         if layout is not None and layout.pins is not None:
-            kw["out_shardings"] = ((layout.pins, None), None)
-        self._donating = jax.jit(inner, donate_argnums=1 if self.donates else (), **kw)
+            kw["out_shardings"] = ((layout.pins, None) if carries else layout.pins, None)
+        donated = (1 if self._bound else 0) if self.donates else ()
+        self._donating = jax.jit(inner, donate_argnums=donated, **kw)
         self._plain = jax.jit(inner, **kw) if self.donates else self._donating
 
     def _split(self, state: PyTree) -> Any:
         """The state's donated part (and the carries' values), as the next call takes it."""
         if self.user_jitted:
             return state
-        values = self.live[1] if self.live is not None else self._firsts
+        values = ()
+        if self.carries:
+            values = self.live[1] if self.live is not None else self._firsts
         layout = self._layout
         if layout is None:
-            return (state, values)
+            return (state, values) if self.carries else state
         leaves = layout.treedef.flatten_up_to(state)
         self.frozen = tuple(leaves[i] for i in layout.frozen)
         pins = layout.pins or (None,) * len(layout.rewritten)
@@ -285,11 +304,12 @@ class CompiledStep:
             elif not isinstance(x, jax.Array):
                 x = jnp.asarray(x)
             part.append(x)
-        return (tuple(part), values)
+        return (tuple(part), values) if self.carries else tuple(part)
 
     def _bind(self) -> None:
         if not self.user_jitted:
-            self._normal = functools.partial(self._donating, self.frozen)
+            self._normal = (functools.partial(self._donating, self.frozen) if self._bound
+                            else self._donating)
 
     def _protected(self, live: Any, *batch: Any) -> Any:
         """One call that donates none of `live`'s current buffers."""
@@ -308,10 +328,11 @@ class CompiledStep:
             copier = self._copier = self._copier or jax.jit(
                 lambda tree: jax.tree.map(lambda x: jnp.array(x, copy=True), tree))
             return self._normal(copier(live), *batch)
+        args = (self.frozen, live, *batch) if self._bound else (live, *batch)
         if not self._ahead:
             self._ahead = True  # the normal variant, compiled before it is first needed
-            self._donating.lower(self.frozen, live, *batch).compile()
-        return self._plain(self.frozen, live, *batch)
+            self._donating.lower(*args).compile()
+        return self._plain(*args)
 
 
 def _pins(leaves: Sequence[Any]) -> tuple[Any, ...] | None:
