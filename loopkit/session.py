@@ -100,7 +100,7 @@ class Session:
         self._signals = SignalHandlers(self.coord)
         self._host: dict[str, Any] = {}
         self._host_step = -1
-        self._host_src: Any = None
+        self._host_of: Any = None
 
     # -- the per-step path -----------------------------------------------------------
 
@@ -175,13 +175,13 @@ class Session:
         so the summaries, progress display and NaN guard share one transfer.
         Call it from a timer (`every`), never on every step.
         """
-        if self._host_step != self.step or self._host_src is not self.metrics:
+        if self._host_step != self.step or self._host_of is not self.metrics:
             fetched = jax.device_get(dict(self.metrics or {}))
             self._host = {
                 k: (float(v) if np.ndim(v) == 0 and np.asarray(v).dtype.kind in "biuf" else v)
                 for k, v in fetched.items()
             }
-            self._host_step, self._host_src = self.step, self.metrics
+            self._host_step, self._host_of = self.step, self.metrics
             self.stats.host_conversions += 1
         return self._host
 
