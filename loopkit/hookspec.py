@@ -32,8 +32,8 @@ def session_create(session: Session) -> None:
     """The state is ready (recovered or initialised): start services.
 
     Called once per session, after the ready check and before the first step.
-    Built-in services start first, so `session.summary_writer` and the
-    checkpoint backend are ready here. Register periodic work with
+    Built-in services start first (their implementations are `tryfirst`), so
+    `session.summary_writer` and the checkpoint backend are ready here. Register periodic work with
     `session.every(...)` here rather than checking a clock in `after_step`.
 
     :param session: the `loopkit.Session`; `session.step` is the start step.
