@@ -139,7 +139,7 @@ def end_to_end(step, mb: int, repeats: int, root: Path) -> tuple[float, float, f
             t, _ = timed(lambda: (sess.run(), sess.state)[1])
             after = t
             holds.append(save_step - normal + after - normal)
-            actions.append(sess.stats.checkpoint_blocking_secs or 0.0)
+            actions.append(sess.plugin_manager.get_plugin("checkpoint").blocking_secs or 0.0)
             time.sleep(1.5)
             growth.append((hwm_kb() - base) / 1024)
             for _ in range(every - 2):

@@ -157,10 +157,9 @@ class Session:
 
         The next steps donate (reuse) the buffers of the leaves they rewrite. A
         saver that reads the state in the background calls this at the step
-        boundary and keeps the result referenced until it is done: on CPU the
-        result holds host views of those buffers (XLA then writes fresh ones);
-        elsewhere those leaves are copied to host memory here. Leaves the step
-        returns unchanged are neither copied nor donated.
+        boundary and keeps the result referenced until it is done: the leaves
+        the next step rewrites are copied to host memory here, and donation goes
+        on. Leaves the step returns unchanged are neither copied nor donated.
         """
         return self._compiled.stage(self.state)
 
