@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping, Sequence
 
-__all__ = ["StepCarry", "attach", "first_values", "update_all"]
+__all__ = ["CarriedMetrics", "StepCarry", "attach", "first_values", "update_all"]
 
 PyTree = Any
 
@@ -52,6 +52,11 @@ class StepCarry:
         self.update = update
         #: what asks for the carry, in errors (e.g. ``"Config.summary_reduce='mean'"``)
         self.name = name
+        #: set by `init` when the carried value also holds the step's latest metrics:
+        #: ``metrics_of(value) -> {name: array}``. The compiled step then returns no
+        #: metric arrays of its own (one output less per metric) when no plugin needs
+        #: them per step, and `session.metrics` reads them from the carry.
+        self.metrics_of: Callable[[PyTree], Mapping[str, Any]] | None = None
         self._store: _Store | None = None
         self._index = 0
         self._value: PyTree = None  # until the session threads it
@@ -72,6 +77,36 @@ class StepCarry:
         values = list(store.values)
         values[self._index] = new
         store.values = tuple(values)
+
+
+class CarriedMetrics(Mapping):
+    """`session.metrics` when a carry holds them: the latest values, read on demand.
+
+    Reading a metric slices the carried value (a device operation), so read them on
+    a timer, as every metric should be read; the object itself stays the same from
+    step to step.
+    """
+
+    def __init__(self, carry: StepCarry) -> None:
+        self._carry = carry
+        self._seen: tuple[Any, Mapping[str, Any]] = (None, {})
+
+    def _now(self) -> Mapping[str, Any]:
+        value = self._carry.value
+        if value is None or self._carry.metrics_of is None:
+            return {}
+        if self._seen[0] is not value:  # read once per carried value
+            self._seen = (value, self._carry.metrics_of(value))
+        return self._seen[1]
+
+    def __getitem__(self, name: str) -> Any:
+        return self._now()[name]
+
+    def __iter__(self) -> Any:
+        return iter(self._now())
+
+    def __len__(self) -> int:
+        return len(self._now())
 
 
 class _Store:

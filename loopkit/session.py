@@ -117,7 +117,8 @@ class Session:
             c.live, metrics = c.call(c.live, *batch)
             self._state = _STALE
             self.step = step = self.step + 1
-            self.metrics = metrics
+            # a carry may hold the metrics instead (`StepCarry.metrics_of`)
+            self.metrics = metrics = metrics or c.no_metrics
             if self._after is not None:
                 self._after(session=self, step=step, metrics=metrics)
             sched = self._sched
@@ -321,7 +322,8 @@ class Session:
         carries = [c for c in hook.step_carry(session=self) if c is not None]
         # The first call never donates: the caller may still hold init's arrays
         # (passed, or captured by an init callable), or a restore's.
-        self._compiled = CompiledStep(self._step_fn, self.config, carries)
+        self._compiled = CompiledStep(self._step_fn, self.config, carries,
+                                      metrics_needed=bool(hook.after_step.get_hookimpls()))
         self._compiled.set_state(self._state)
         self._before = hook.before_step if hook.before_step.get_hookimpls() else None
         self._after = hook.after_step if hook.after_step.get_hookimpls() else None

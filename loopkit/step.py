@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from loopkit.carry import attach, first_values, update_all
+from loopkit.carry import CarriedMetrics, attach, first_values, update_all
 
 if TYPE_CHECKING:
     from loopkit.carry import StepCarry
@@ -42,6 +43,7 @@ log = logging.getLogger("loopkit")
 
 PyTree = Any
 _UNSET = object()
+_NO_METRICS: Mapping[str, Any] = MappingProxyType({})
 
 
 def is_jitted(fn: Any) -> bool:
@@ -104,8 +106,12 @@ class CompiledStep:
     """
 
     def __init__(self, fn: Callable[..., Any], config: Config,
-                 carries: Sequence[StepCarry] = ()) -> None:
+                 carries: Sequence[StepCarry] = (), metrics_needed: bool = True) -> None:
         carries = tuple(carries)
+        #: whether something reads the metrics on every step (an `after_step`)
+        self.metrics_needed = metrics_needed
+        #: what `session.metrics` is when the step returns none (see `StepCarry.metrics_of`)
+        self.no_metrics: Mapping[str, Any] = _NO_METRICS
         self.user_jitted = is_jitted(fn)
         if carries and self.user_jitted:
             wants = ", ".join(c.name for c in carries)
@@ -232,6 +238,10 @@ class CompiledStep:
         elif carries:
             like_state, like_metrics = jax.eval_shape(fn, state, *batch)
         self._firsts = first_values(carries, like_state, like_metrics) if carries else ()
+        holder = next((c for c in carries if c.metrics_of is not None), None)
+        drop = holder is not None and not self.metrics_needed
+        if drop:  # the carry holds the latest metrics: no metric arrays out of the step
+            self.no_metrics = CarriedMetrics(holder)
         layout = self._layout
         if layout is None:
             def inner(frozen: tuple, live: Any, *batch: Any) -> Any:
@@ -239,7 +249,7 @@ class CompiledStep:
                     return fn(live, *batch)
                 state, values = live
                 new, metrics = fn(state, *batch)
-                return (new, update_all(carries, values, new, metrics)), metrics
+                return (new, update_all(carries, values, new, metrics)), ({} if drop else metrics)
         else:
             treedef, rw, fz = layout.treedef, layout.rewritten, layout.frozen
             size = treedef.num_leaves
@@ -256,7 +266,7 @@ class CompiledStep:
                 part = tuple(out[i] for i in rw)
                 if not carries:
                     return part, metrics
-                return (part, update_all(carries, values, new, metrics)), metrics
+                return (part, update_all(carries, values, new, metrics)), ({} if drop else metrics)
 
         # With no frozen leaf the jitted function takes `live` alone: the loop then
         # calls it directly, with no argument bound in front (measured: ~0.3 us/step).

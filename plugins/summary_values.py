@@ -49,6 +49,9 @@ class IntervalMean:
         #: names summed in the packed vector (scalars) and as their own arrays
         self.scalars: list[str] = []
         self.arrays: list[str] = []
+        #: every metric, when all are scalars of the sums' dtype: their latest values
+        #: ride at the end of the packed vector and the step returns no metric arrays
+        self.latest: list[str] = []
         self._like: Any = None
         self.carry = StepCarry(self._init, self._update, name="Config.summary_reduce='mean'")
 
@@ -59,8 +62,14 @@ class IntervalMean:
         for name, like in metrics.items():
             if isinstance(name, str) and is_chosen(name, self.patterns) and _averaged(like):
                 (self.scalars if like.ndim == 0 else self.arrays).append(name)
+        # Exact only when every metric already has the vector's dtype (an int count
+        # would be rounded in float32): otherwise the step returns its metrics as usual.
+        if metrics and all(isinstance(k, str) and getattr(v, "shape", None) == ()
+                           and v.dtype == dtype for k, v in metrics.items()):
+            self.latest = list(metrics)
+            self.carry.metrics_of = self._latest
         self._like = (
-            jax.ShapeDtypeStruct((len(self.scalars) + 1,), dtype),
+            jax.ShapeDtypeStruct((len(self.scalars) + 1 + len(self.latest),), dtype),
             {k: jax.ShapeDtypeStruct(metrics[k].shape, dtype) for k in self.arrays},
         )
         return self._zeros()
@@ -71,10 +80,19 @@ class IntervalMean:
     def _update(self, value: Any, state: Any, metrics: Mapping[str, Any]) -> Any:
         packed, arrays = value
         dtype = packed.dtype
+        n = len(self.scalars) + 1
         step = jnp.stack([jnp.asarray(metrics[k]).astype(dtype) for k in self.scalars]
                          + [jnp.ones((), dtype)])
         arrays = {k: a + jnp.asarray(metrics[k]).astype(dtype) for k, a in arrays.items()}
-        return packed + step, arrays
+        if not self.latest:
+            return packed + step, arrays
+        latest = jnp.stack([jnp.asarray(metrics[k]) for k in self.latest])
+        return jnp.concatenate([packed[:n] + step, latest]), arrays
+
+    def _latest(self, value: Any) -> dict[str, Any]:
+        """The step's latest metrics, from the end of the packed vector (device slices)."""
+        packed, n = value[0], len(self.scalars) + 1
+        return {k: packed[n + i] for i, k in enumerate(self.latest)}
 
     def take(self) -> dict[str, Any]:
         """The means since the last `take` (host values), and a fresh sum.
@@ -86,10 +104,15 @@ class IntervalMean:
         if value is None:
             return {}
         packed, arrays = jax.device_get(value)
-        count = packed[-1]
+        n = len(self.scalars) + 1
+        count = packed[n - 1]
         if count == 0:
             return {}
-        self.carry.value = self._zeros()
+        fresh = self._zeros()
+        if self.latest:  # the sums start again; the latest values stay
+            fresh = (jnp.asarray(np.concatenate([np.zeros(n, packed.dtype), packed[n:]])),
+                     fresh[1])
+        self.carry.value = fresh
         means: dict[str, Any] = {k: float(s / count) for k, s in zip(self.scalars, packed)}
         means.update({k: a / count for k, a in arrays.items()})
         return means

@@ -61,6 +61,49 @@ def test_mean_is_exact_over_the_interval(tmp_path):
     assert capture.session.stats.host_conversions == 0
 
 
+def float_step(s):
+    """Every metric a float32 scalar: the latest values ride in the carried vector."""
+    n = s + 1
+    return n, {"loss": n * 2.0, "acc": n * 0.5}
+
+
+def test_mean_keeps_the_latest_metrics_for_the_session(tmp_path):
+    seen = []
+
+    class Look:  # a timer after the summaries' one, which has just reset the sums
+        @loopkit.hookimpl
+        def session_create(self, session):
+            session.every(lambda s: seen.append(
+                (s.step, s.host_metrics(), {k: float(v) for k, v in s.metrics.items()})),
+                steps=3, name="look")
+
+    capture = Capture()
+    loopkit.train(float_step, init=jnp.zeros(()), logdir=tmp_path, max_steps=7,
+                  save_summaries_steps=3, summary_reduce="mean", plugins=[Look(), capture],
+                  **FAST)
+    # the latest step's values, as "last" shows them
+    assert seen == [(3, {"loss": 6.0, "acc": 1.5}, {"loss": 6.0, "acc": 1.5}),
+                    (6, {"loss": 12.0, "acc": 3.0}, {"loss": 12.0, "acc": 3.0})]
+    assert capture.session.host_metrics() == {"loss": 14.0, "acc": 3.5}
+    acc = events(tmp_path)
+    assert scalars(acc, "loss") == [(3, 4.0), (6, 10.0), (7, 14.0)]  # 2+4+6 / 3, ...
+    assert scalars(acc, "acc") == [(3, 1.0), (6, 2.5), (7, 3.5)]
+
+
+def test_mean_with_a_per_step_reader_gives_it_each_steps_metrics(tmp_path):
+    got = []
+
+    class PerStep:
+        @loopkit.hookimpl
+        def after_step(self, step, metrics):
+            got.append((step, float(metrics["loss"])))
+
+    loopkit.train(float_step, init=jnp.zeros(()), logdir=tmp_path, max_steps=4,
+                  save_summaries_steps=2, summary_reduce="mean", plugins=[PerStep()], **FAST)
+    assert got == [(1, 2.0), (2, 4.0), (3, 6.0), (4, 8.0)]
+    assert scalars(events(tmp_path), "loss") == [(2, 3.0), (4, 7.0)]
+
+
 def test_mean_of_the_chosen_metrics_only(tmp_path):
     loopkit.train(lm_step, init=jnp.zeros(()), logdir=tmp_path, max_steps=4,
                   save_summaries_steps=2, summary_reduce="mean", summary_metrics="loss", **FAST)
