@@ -67,12 +67,12 @@ import numpy as np
 from loopkit import storage
 from loopkit.errors import CheckpointError
 from loopkit.fs import fsync_dir, fsync_tree
-from loopkit.pytree import conform
 from loopkit.plugins.leaf_records import (
-    leaf_records, like_leaves, nest, remove_stale, saving_lock,
+    leaf_records, remove_stale, saving_lock,
 )
 from loopkit.plugins.orbax_reader import (
-    HEAD_KEY as _KEY, VERSION as _VERSION, Head, read_arrays, read_head, sequence_nodes,
+    HEAD_KEY as _KEY, VERSION as _VERSION, Head, read_head, restore_some, restore_state,
+    sequence_nodes, structure_of,
 )
 
 if TYPE_CHECKING:
@@ -316,22 +316,12 @@ class OrbaxBackend:
         """The state of ``step`` as stored (placed like ``like`` where shapes match), and its metadata."""
         if self._pending == step:
             self.wait()
-        head = self._head(step)
-        values = read_arrays(self._reader, self.path(step), head, head.records, like_leaves(like))
-        state = nest([r.path for r in head.records], values)
-        return (state if like is None else conform(state, like)), head.metadata
+        return restore_state(self._reader, self.path(step), self._head(step), like)
 
     def structure(self, step: int) -> dict[str, Any]:
         """Leaf path -> shape and dtype of every leaf of ``step``, without reading array data."""
-        return {r.name: s for r in self._head(step).records if (s := r.struct()) is not None}
+        return structure_of(self._head(step))
 
     def restore_leaves(self, step: int, paths: Sequence[str]) -> dict[str, Any]:
         """Read only the leaves at ``paths`` (orbax partial restore)."""
-        head = self._head(step)
-        wanted = set(paths)
-        chosen = [r for r in head.records if r.name in wanted and r.kind != "none"]
-        missing = wanted - {r.name for r in chosen}
-        if missing:
-            raise KeyError(f"checkpoint {self.path(step)} has no leaves {sorted(missing)}")
-        values = read_arrays(self._reader, self.path(step), head, chosen, {})
-        return {r.name: v for r, v in zip(chosen, values)}
+        return restore_some(self._reader, self.path(step), self._head(step), paths)

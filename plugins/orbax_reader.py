@@ -24,7 +24,8 @@ from loopkit.plugins.leaf_records import (
     read_records,
 )
 
-__all__ = ["Head", "OrbaxCheckpoint", "is_orbax_tree", "read_arrays", "read_head"]
+__all__ = ["Head", "OrbaxCheckpoint", "is_orbax_tree", "read_arrays", "read_head",
+           "restore_some", "restore_state", "structure_of"]
 
 HEAD_KEY = "loopkit"
 VERSION = 2
@@ -226,6 +227,31 @@ def read_arrays(reader: Any, path: Path, head: Head, records: Sequence[LeafRecor
     return [finish(rec, value) for rec, value in zip(records, out)]
 
 
+def restore_state(reader: Any, path: Path, head: Head, like: Any) -> tuple[Any, dict]:
+    """The whole state of the checkpoint at `path` (placed like `like`), and its metadata."""
+    from loopkit.pytree import conform
+
+    values = read_arrays(reader, path, head, head.records, like_leaves(like))
+    state = nest([r.path for r in head.records], values)
+    return (state if like is None else conform(state, like)), head.metadata
+
+
+def structure_of(head: Head) -> dict[str, Any]:
+    """Leaf path -> shape and dtype of every stored leaf, without reading array data."""
+    return {r.name: s for r in head.records if (s := r.struct()) is not None}
+
+
+def restore_some(reader: Any, path: Path, head: Head, paths: Sequence[str]) -> dict[str, Any]:
+    """Only the leaves at `paths` (orbax partial restore); a missing one is a KeyError."""
+    wanted = set(paths)
+    chosen = [r for r in head.records if r.name in wanted and r.kind != "none"]
+    missing = wanted - {r.name for r in chosen}
+    if missing:
+        raise KeyError(f"checkpoint {path} has no leaves {sorted(missing)}")
+    values = read_arrays(reader, path, head, chosen, {})
+    return {r.name: v for r, v in zip(chosen, values)}
+
+
 class OrbaxCheckpoint:
     """One orbax PyTree checkpoint at any path, read through the backend protocol.
 
@@ -253,25 +279,13 @@ class OrbaxCheckpoint:
         return read_head(self._path)
 
     def restore(self, step: int, like: Any = None) -> tuple[Any, dict]:
-        from loopkit.pytree import conform
-
-        head = self._head(step)
-        state = nest([r.path for r in head.records],
-                     read_arrays(self._reader, self._path, head, head.records, like_leaves(like)))
-        return (state if like is None else conform(state, like)), head.metadata
+        return restore_state(self._reader, self._path, self._head(step), like)
 
     def structure(self, step: int) -> dict[str, Any]:
-        return {r.name: s for r in self._head(step).records if (s := r.struct()) is not None}
+        return structure_of(self._head(step))
 
     def restore_leaves(self, step: int, paths: Sequence[str]) -> dict[str, Any]:
-        head = self._head(step)
-        wanted = set(paths)
-        chosen = [r for r in head.records if r.name in wanted and r.kind != "none"]
-        missing = wanted - {r.name for r in chosen}
-        if missing:
-            raise KeyError(f"checkpoint {self._path} has no leaves {sorted(missing)}")
-        values = read_arrays(self._reader, self._path, head, chosen, {})
-        return {r.name: v for r, v in zip(chosen, values)}
+        return restore_some(self._reader, self._path, self._head(step), paths)
 
     def save(self, step: int, state: Any, metadata: dict) -> None:
         raise CheckpointError(f"{self._path} is read-only here: loopkit reads it, it does not write it")
