@@ -18,8 +18,8 @@ from typing import Any
 
 from loopkit.hookspec import hookimpl
 
-__all__ = ["FakeClock", "HookCall", "HookRecorder", "Tick", "assert_same_state", "read_events",
-           "scalars"]
+__all__ = ["FakeClock", "HookCall", "HookRecorder", "Tick", "assert_same_state",
+           "kill_after_checkpoint", "read_events", "scalars"]
 
 
 @dataclasses.dataclass
@@ -180,3 +180,28 @@ def read_events(logdir: Any) -> Any:
 def scalars(acc: Any, tag: str) -> list[tuple[int, float]]:
     """(step, value) of every point of the scalar `tag` in `acc` (`read_events`)."""
     return [(e.step, e.value) for e in acc.Scalars(tag)]
+
+
+def kill_after_checkpoint(cmd: list[str], logdir: Any, min_step: int,
+                          env: dict[str, str] | None = None) -> None:
+    """Start `cmd` (a training process), SIGKILL it once `logdir/checkpoint` names a
+    committed step >= `min_step`; for crash tests. Fails if it exits on its own first."""
+    import signal
+    import subprocess
+    import time
+
+    from loopkit.plugins.checkpoint_state import read_state
+
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        while True:
+            state = read_state(logdir)
+            if state is not None and state.latest is not None and state.latest >= min_step:
+                break
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.communicate()
+    assert proc.returncode == -signal.SIGKILL

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
+
+from loopkit.testing import kill_after_checkpoint
 
 WORKER = textwrap.dedent("""
     import sys, time
@@ -48,18 +48,7 @@ def test_a_grain_loader_killed_and_resumed_reads_every_batch_once(tmp_path):
     script.write_text(WORKER)
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     cmd = [sys.executable, str(script), str(logdir)]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        ckpt = logdir / "checkpoint"
-        while not (ckpt.exists() and int(re.search(
-                r'model_checkpoint_path: "model\.ckpt-(\d+)"', ckpt.read_text())[1]) >= 4):
-            assert proc.poll() is None, proc.communicate()
-            time.sleep(0.02)
-        os.kill(proc.pid, signal.SIGKILL)
-    finally:
-        proc.kill()
-        proc.communicate()
-    assert proc.returncode == -signal.SIGKILL
+    kill_after_checkpoint(cmd, logdir, 4, env)
 
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=150)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -7,7 +7,6 @@ import logging
 import os
 import random
 import re
-import signal
 import subprocess
 import sys
 import textwrap
@@ -20,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+from loopkit.testing import kill_after_checkpoint
 
 import loopkit
 from loopkit import hookimpl
@@ -414,18 +415,7 @@ def test_killed_and_resumed_run_consumes_the_same_batches(tmp_path, protocol):
     script.write_text(WORKER)
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     cmd = [sys.executable, str(script), str(logdir), protocol]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        ckpt = logdir / "checkpoint"
-        while not (ckpt.exists() and int(re.search(
-                r'model_checkpoint_path: "model\.ckpt-(\d+)"', ckpt.read_text())[1]) >= 10):
-            assert proc.poll() is None, proc.communicate()
-            time.sleep(0.02)
-        os.kill(proc.pid, signal.SIGKILL)
-    finally:
-        proc.kill()
-        proc.communicate()
-    assert proc.returncode == -signal.SIGKILL
+    kill_after_checkpoint(cmd, logdir, 10, env)
 
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=100)
     assert out.returncode == 0, out.stderr
