@@ -320,13 +320,13 @@ class Session:
                 restored is not None, self.config.data_sharding,
             )
         carries = [c for c in hook.step_carry(session=self) if c is not None]
+        self._before = hook.before_step if hook.before_step.get_hookimpls() else None
+        self._after = hook.after_step if hook.after_step.get_hookimpls() else None
         # The first call never donates: the caller may still hold init's arrays
         # (passed, or captured by an init callable), or a restore's.
         self._compiled = CompiledStep(self._step_fn, self.config, carries,
-                                      metrics_needed=bool(hook.after_step.get_hookimpls()))
+                                      metrics_needed=self._after is not None)
         self._compiled.set_state(self._state)
-        self._before = hook.before_step if hook.before_step.get_hookimpls() else None
-        self._after = hook.after_step if hook.after_step.get_hookimpls() else None
         self._arm_stops()
         # Built-in services' session_create are `tryfirst`: they start before every
         # other plugin's, so the summary writer and the checkpoint backend are ready.
