@@ -8,11 +8,17 @@ rewrites a small head (a fine-tune). For each:
 
 1. the strategies, with JAX alone: how much longer the step after a save takes
    than a normal donating step, when the saver still holds the old buffers by
-   host views (what loopkit does on CPU), by running that step without donation
-   (loopkit's former way), or by a host copy of the rewritten leaves at save time;
+   host views, by running that step without donation, by a host copy of the
+   rewritten leaves at save time (what loopkit does off CPU), or by a variant of
+   the step that writes into spare buffers, those of the previous save (what
+   loopkit does on CPU);
 2. loopkit end to end (orbax backend, saves spaced beyond a commit): the hold
    per save, the save action plus the extra time of the step after it, each
-   step blocked on; and the growth of peak host memory (VmHWM) during a save.
+   step blocked on (the median, and the first save apart); the growth of peak
+   host memory (VmHWM) during a save, and of resident memory from before the
+   first save to after the last; on an accelerator, the peak device memory of
+   the run against the state's size (run one step kind per process for that:
+   ``--steps updating --skip-strategies``).
 
 Ratios are against the raw durable write of the same bytes (``np.save`` + fsync),
 measured in the same process. On CPU, device memory is host memory.
@@ -65,6 +71,8 @@ def timed(fn, *args):
 def strategies(step, mb: int, repeats: int) -> dict[str, float]:
     """Extra seconds of the step after a save, per strategy (median over repeats)."""
     donating, plain = jax.jit(step, donate_argnums=0), jax.jit(step)
+    # the state's rewritten leaves land in `spare`, which is donated; `s` is only read
+    into_spare = jax.jit(lambda s, spare: step(s), donate_argnums=1, keep_unused=True)
     state = make_state(mb)
     state, _ = donating(state)
     state = jax.block_until_ready(state)
@@ -87,7 +95,27 @@ def strategies(step, mb: int, repeats: int) -> dict[str, float]:
         t, (state, _) = timed(plain, state)
         out.setdefault("step without donation", []).append(t - normal)
         after_save("host copy of rewritten leaves", lambda xs: [np.array(x) for x in xs])
+    spare = None
+    for _ in range(repeats + 1):
+        normal, (state, _) = timed(donating, state)
+        if spare is None:  # the first save has no spare yet: the next one does
+            spare = state
+            state = jax.block_until_ready(plain(state)[0])
+            continue
+        t, (new, _) = timed(into_spare, state, spare)
+        out.setdefault("spare buffers (previous save's)", []).append(t - normal)
+        state, spare = new, state
     return {k: statistics.median(v) for k, v in out.items()}
+
+
+def rss_kb() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
+
+
+def device_peak() -> int | None:
+    stats = jax.local_devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
+    return stats.get("peak_bytes_in_use") if stats else None
 
 
 def hwm_kb() -> int:
@@ -104,8 +132,8 @@ def reset_hwm() -> bool:
         return False
 
 
-def end_to_end(step, mb: int, repeats: int, root: Path) -> tuple[float, float, float]:
-    """(median hold per save in s, median save action in s, peak memory growth in MB)."""
+def end_to_end(step, mb: int, repeats: int, root: Path) -> dict[str, float]:
+    """Median hold per save and save action (s), the first save's hold, memory growth (MB)."""
     every = 4
     sv = loopkit.Supervisor(logdir=str(root), save_model_secs=None, save_model_steps=every,
                             progress=False, disable=("summaries",), autoload=False,
@@ -115,6 +143,8 @@ def end_to_end(step, mb: int, repeats: int, root: Path) -> tuple[float, float, f
         for _ in range(every - 1):  # compile, warm up
             sess.run()
         jax.block_until_ready(sess.state)
+        time.sleep(0.5)
+        rss0 = rss_kb()
         for _ in range(repeats):
             time.sleep(1.5)  # the last save has committed: nothing waits for it
             reset_hwm()
@@ -134,13 +164,20 @@ def end_to_end(step, mb: int, repeats: int, root: Path) -> tuple[float, float, f
             for _ in range(every - 2):
                 sess.run()
             jax.block_until_ready(sess.state)
-    return statistics.median(holds), statistics.median(actions), statistics.median(growth)
+        time.sleep(1.5)
+        resident = (rss_kb() - rss0) / 1024
+    return {"hold": statistics.median(holds), "first": holds[0],
+            "action": statistics.median(actions), "growth": statistics.median(growth),
+            "resident": resident}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--mb", type=int, default=256)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--steps", default="updating,frozen", help="which step kinds, in order")
+    p.add_argument("--skip-strategies", action="store_true",
+                   help="loopkit end to end only (keeps the device peak the run's own)")
     args = p.parse_args()
     print(f"{platform.platform()}, python {platform.python_version()}, jax {jax.__version__}, "
           f"{os.cpu_count()} CPUs, backend {jax.default_backend()}")
@@ -150,14 +187,26 @@ def main() -> None:
                                 for _ in range(3))
         print(f"\nstate {args.mb} MB; raw write + fsync {raw * 1e3:.0f} ms (5% = "
               f"{raw * 50:.1f} ms)\n")
-        for name, step in (("updating", updating), ("frozen", frozen)):
-            print(f"{name} step: extra time of the step after a save, by strategy (JAX alone)")
+        kinds = {"updating": updating, "frozen": frozen}
+        for name in args.steps.split(","):
+            step = kinds[name]
+            print(f"{name} step")
+            r = end_to_end(step, args.mb, args.repeats, root / name)
+            print(f"  loopkit, orbax: hold per save {r['hold'] * 1e3:.1f} ms "
+                  f"({100 * r['hold'] / raw:.1f}% of raw write; save action "
+                  f"{r['action'] * 1e3:.1f} ms; the first save {r['first'] * 1e3:.1f} ms)")
+            print(f"  host memory: peak +{r['growth']:.0f} MB during a save "
+                  f"({r['growth'] / args.mb:.2f}x the state), resident +{r['resident']:.0f} MB "
+                  f"after the saves ({r['resident'] / args.mb:.2f}x)")
+            peak = device_peak()
+            if peak is not None:
+                print(f"  device memory: peak {peak / MB:.0f} MB in the run "
+                      f"({peak / MB / args.mb:.2f}x the state)")
+            if args.skip_strategies:
+                continue
+            print("  extra time of the step after a save, by strategy (JAX alone):")
             for key, sec in strategies(step, args.mb, args.repeats).items():
-                print(f"  {key:36} {sec * 1e3:8.1f} ms  {100 * sec / raw:6.1f}% of raw write")
-            hold, action, grow = end_to_end(step, args.mb, args.repeats, root / name)
-            print(f"  loopkit, orbax: hold per save {hold * 1e3:.1f} ms "
-                  f"({100 * hold / raw:.1f}% of raw write; save action {action * 1e3:.1f} ms); "
-                  f"peak memory +{grow:.0f} MB during a save ({grow / args.mb:.2f}x the state)")
+                print(f"    {key:36} {sec * 1e3:8.1f} ms  {100 * sec / raw:6.1f}% of raw write")
 
 
 if __name__ == "__main__":

@@ -9,21 +9,27 @@ and never returned, so it is neither donated nor copied. The rewritten leaves'
 output shardings are pinned to their input shardings (those of `init` or of the
 restore), so XLA's propagation never re-lays a sharded state out.
 
-Protecting buffers without a second compile. A background saver must keep reading
-the buffers of the state it was given while the next steps run: a save copies the
-leaves the next step rewrites to host memory (`stage`, on every platform; on CPU
-this measured faster than holding views, which makes XLA write fresh buffers and
-copy). The first step must not donate the caller's arrays: on CPU a numpy view of a
-buffer is an external reference, and XLA does not donate a buffer that has one, so
-holding views for that one call needs no second variant; elsewhere the first step
-runs a non-donating variant of the same function. A step the user jitted is called
-as given; its state is protected the same way, never copied leaf by leaf.
+Protecting buffers. A background saver must keep reading the buffers of the state
+it was given while the next steps run. Off CPU a save copies the leaves the next
+step rewrites to host memory (`stage`) and donation goes on, so device memory never
+doubles. On CPU "device" memory is host memory and a copy of the rewritten leaves
+costs about what a fresh write of them does, so a save hands the saver the buffers
+themselves and the step after it writes into *spare* buffers instead: those of the
+previous save, which its saver gave back (`Staged.release`), donated through a
+variant compiled in the background at the first save. Until a spare exists (the
+first save, or a saver that never releases) the saver holds numpy views: XLA does
+not donate a buffer that has an external reference, so the step writes fresh
+buffers. The first step of a session must not donate the caller's arrays: on CPU
+views protect them the same way; elsewhere it runs a non-donating variant of the
+same function. A step the user jitted is called as given; its state is protected
+by a host copy at a save, never copied leaf by leaf.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import threading
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Sequence
 
@@ -58,6 +64,10 @@ def views_protect() -> bool:
     return jax.default_backend() == "cpu"
 
 
+def _release_nothing() -> None:
+    return None
+
+
 class Staged(NamedTuple):
     """A state a background thread may read while the loop goes on (`Session.stage_state`)."""
 
@@ -67,6 +77,18 @@ class Staged(NamedTuple):
     #: keep this referenced until the reading is done (None when `state` holds
     #: host copies of everything the next steps donate)
     hold: Any
+    #: call once the reading is done (the data written): on CPU the buffers then
+    #: serve as the spare the step after the next save writes into
+    release: Callable[[], None] = _release_nothing
+
+
+def _aval(x: Any) -> Any:
+    """What `jit.lower` needs of an argument: its type and placement, not its buffer."""
+    if isinstance(x, (jax.Array, np.ndarray)):
+        committed = isinstance(x, jax.Array) and x.committed
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if committed else None,
+                                    weak_type=getattr(x, "weak_type", False))
+    return x
 
 
 def _views(leaves: Sequence[Any]) -> list[np.ndarray]:
@@ -140,6 +162,14 @@ class CompiledStep:
         self._ahead = False  # the donating variant compiled (off CPU)
         self._copier: Any = None
         self._firsts: tuple = ()
+        # CPU: the step writing into spare buffers after a save (see the module doc)
+        self._spare_jit: Any = None
+        self._spare: tuple | None = None       # buffers a saver gave back
+        self._spare_next: tuple | None = None  # what the next call writes into
+        self._spare_compiled = threading.Event()
+        self._compiler: threading.Thread | None = None
+        self._batch_avals: tuple = ()
+        self._gen = 0  # counts states set from outside: older spares are not used
         self._bound = False  # the jitted function takes the frozen leaves first
         attach(carries, self)
 
@@ -148,6 +178,8 @@ class CompiledStep:
     def set_state(self, state: PyTree) -> None:
         """Take `state` as the current state; it is split at the next call."""
         self._pending = state
+        self._gen += 1
+        self._spare = self._spare_next = None
         if not self._ended:
             self.call = self._enter
 
@@ -183,13 +215,73 @@ class CompiledStep:
         """`state` made safe to read from another thread while the next steps run."""
         if not self.donates or self._protect:
             return Staged(state, None)  # the next call donates nothing
-        donated = {id(x) for x in self._donated_leaves()}
-        return Staged(jax.tree.map(lambda x: _to_host(x) if id(x) in donated else x, state),
-                      None)
+        donated = self._donated_leaves()
+        if self._spare_jit is not None:
+            staged = self._stage_in_place(state, tuple(donated))
+            if staged is not None:
+                return staged
+        ids = {id(x) for x in donated}
+        return Staged(jax.tree.map(lambda x: _to_host(x) if id(x) in ids else x, state), None)
+
+    def _stage_in_place(self, state: PyTree, part: tuple) -> Staged | None:
+        """CPU: the saver reads `part` itself; the next step writes elsewhere."""
+        spare = self._spare
+        steady = self._pending is _UNSET and self.call is self._normal
+        # a spare given back before the step after its save ran was donated by it
+        if (steady and spare is not None and self._spare_compiled.is_set()
+                and not any(a is b or a.is_deleted() for a, b in zip(spare, part))):
+            self._spare, self._spare_next = None, spare
+            self.call = self._spare_call
+            hold = None
+        elif self._spare_next is not None:
+            hold = None  # the next call already writes into a spare
+        else:
+            try:
+                hold = _views(part)  # XLA won't donate these: the step writes fresh buffers
+            except ValueError:  # shards with no host view: copy instead
+                return None
+            if steady and self._compiler is None:
+                self._compile_spare(part)
+        gen = self._gen
+        return Staged(state, hold, lambda: self._recycle(part, gen))
+
+    def _recycle(self, part: tuple, gen: int) -> None:
+        """A saver is done with `part` (any thread): the next save's step may write into it."""
+        if gen == self._gen and not self._ended:
+            self._spare = part
+
+    def _spare_call(self, live: Any, *batch: Any) -> Any:
+        """The step after a save: donates the spare, not `live` (a saver reads it)."""
+        spare, self._spare_next = self._spare_next, None
+        self.call = self._normal
+        if self._bound:
+            return self._spare_jit(self.frozen, live, spare, *batch)
+        return self._spare_jit(live, spare, *batch)
+
+    def _compile_spare(self, part: tuple) -> None:
+        """Compile the spare variant in the background: first needed at the next save."""
+        args = (jax.tree.map(_aval, self.live), tuple(_aval(x) for x in part),
+                *self._batch_avals)
+        if self._bound:
+            args = (jax.tree.map(_aval, self.frozen), *args)
+
+        def compile_ahead() -> None:
+            try:
+                self._spare_jit.lower(*args).compile()
+            except Exception:  # noqa: BLE001 - saves then go on without a spare
+                log.warning("loopkit: could not compile the step's save variant; saves "
+                            "go on without spare buffers", exc_info=True)
+                return
+            self._spare_compiled.set()
+
+        self._compiler = threading.Thread(target=compile_ahead, daemon=True,
+                                          name="loopkit-compile-save-variant")
+        self._compiler.start()
 
     def skip_donation_once(self) -> None:
         """Make the next call donate nothing the current state holds."""
         self._protect = True
+        self._spare_next = None
         if not self._ended:
             self.call = self._enter
 
@@ -197,6 +289,9 @@ class CompiledStep:
         """The session is over: every call now goes to `ended`."""
         self._ended = True
         self.call = self._normal = ended
+        self._spare = self._spare_next = None
+        if self._compiler is not None:
+            self._compiler.join()
 
     # -- the first call: trace, sort the leaves, jit ---------------------------------------
 
@@ -205,6 +300,8 @@ class CompiledStep:
         if self._pending is not _UNSET:
             if self._normal is None:
                 self._build(self._pending, batch)
+                if self._spare_jit is not None:
+                    self._batch_avals = tuple(jax.tree.map(_aval, batch))
             self.live = self._split(self._pending)
             self._pending = _UNSET
             self._bind()
@@ -286,6 +383,15 @@ class CompiledStep:
         donated = (1 if self._bound else 0) if self.donates else ()
         self._donating = jax.jit(inner, donate_argnums=donated, **kw)
         self._plain = jax.jit(inner, **kw) if self.donates else self._donating
+        if self.donates and self.by_views and layout is not None and layout.rewritten:
+            body, k = inner, (1 if self._bound else 0)
+
+            def inner_with_spare(*args: Any) -> Any:  # (frozen,) live, spare, *batch
+                return body(*args[:k + 1], *args[k + 2:])
+
+            # `spare` is never read: kept (and donated) so that the outputs land in it
+            self._spare_jit = jax.jit(inner_with_spare, donate_argnums=k + 1,
+                                      keep_unused=True, **kw)
 
     def _split(self, state: PyTree) -> Any:
         """The state's donated part (and the carries' values), as the next call takes it."""

@@ -90,7 +90,8 @@ class Commit:
         self._args = ()
         try:
             backend.wait()
-            del hold  # read and written: the buffers may be donated again
+            hold.release()  # read and written: the buffers may be donated again
+            del hold
             publish()
         except BaseException as ex:  # noqa: BLE001 - handed to the main thread
             self.error = ex
