@@ -23,7 +23,8 @@ from loopkit.data import Lookahead, make_input
 from loopkit.pytree import abstract, check_matches, conform, trace_init
 from loopkit.scheduler import Scheduler, Timer, agree_across_processes, noted
 from loopkit.stash import Stash, StashKey
-from loopkit.step import CompiledStep, Staged
+from loopkit.staging import Staged
+from loopkit.step import CompiledStep
 from loopkit.writer import write_values
 
 if TYPE_CHECKING:

@@ -29,21 +29,20 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from loopkit.carry import CarriedMetrics, attach, first_values, update_all
+from loopkit.staging import Spare, Staged, aval, to_host, views, views_protect
 
 if TYPE_CHECKING:
     from loopkit.carry import StepCarry
     from loopkit.config import Config
 
-__all__ = ["CompiledStep", "Staged", "is_jitted"]
+__all__ = ["CompiledStep", "is_jitted"]
 
 log = logging.getLogger("loopkit")
 
@@ -57,59 +56,6 @@ def is_jitted(fn: Any) -> bool:
     # jax.jit, flax.nnx.jit and equinox.filter_jit all have `lower`; equinox's
     # wrapper is no PjitFunction and has no `eval_shape`
     return callable(getattr(fn, "lower", None))
-
-
-def views_protect() -> bool:
-    """Whether holding numpy views of buffers keeps XLA from donating them (CPU)."""
-    return jax.default_backend() == "cpu"
-
-
-def _release_nothing() -> None:
-    return None
-
-
-class Staged(NamedTuple):
-    """A state a background thread may read while the loop goes on (`Session.stage_state`)."""
-
-    #: the state to read: the session's, or with the leaves the next step
-    #: rewrites copied to host memory
-    state: PyTree
-    #: keep this referenced until the reading is done (None when `state` holds
-    #: host copies of everything the next steps donate)
-    hold: Any
-    #: call once the reading is done (the data written): on CPU the buffers then
-    #: serve as the spare the step after the next save writes into
-    release: Callable[[], None] = _release_nothing
-
-
-def _aval(x: Any) -> Any:
-    """What `jit.lower` needs of an argument: its type and placement, not its buffer."""
-    if isinstance(x, (jax.Array, np.ndarray)):
-        committed = isinstance(x, jax.Array) and x.committed
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if committed else None,
-                                    weak_type=getattr(x, "weak_type", False))
-    return x
-
-
-def _views(leaves: Sequence[Any]) -> list[np.ndarray]:
-    """Zero-copy host views of every addressable shard of the jax arrays in `leaves`."""
-    out = []
-    for x in leaves:
-        if isinstance(x, jax.Array):
-            if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-                x = jax.random.key_data(x)  # the key's own buffer
-            out.extend(np.asarray(s.data) for s in x.addressable_shards)
-    return out
-
-
-def _to_host(x: Any) -> Any:
-    """`x` copied to host memory, keeping its sharding where the platform can."""
-    if not isinstance(x, jax.Array):
-        return x
-    try:
-        return jax.device_put(x, x.sharding.with_memory_kind("pinned_host"))
-    except Exception:  # noqa: BLE001 - no host memory kinds here: a numpy copy
-        return np.array(x)
 
 
 class _Layout(NamedTuple):
@@ -162,14 +108,8 @@ class CompiledStep:
         self._ahead = False  # the donating variant compiled (off CPU)
         self._copier: Any = None
         self._firsts: tuple = ()
-        # CPU: the step writing into spare buffers after a save (see the module doc)
-        self._spare_jit: Any = None
-        self._spare: tuple | None = None       # buffers a saver gave back
-        self._spare_next: tuple | None = None  # what the next call writes into
-        self._spare_compiled = threading.Event()
-        self._compiler: threading.Thread | None = None
+        self._spare: Spare | None = None  # CPU: the step after a save writes elsewhere
         self._batch_avals: tuple = ()
-        self._gen = 0  # counts states set from outside: older spares are not used
         self._bound = False  # the jitted function takes the frozen leaves first
         attach(carries, self)
 
@@ -178,8 +118,8 @@ class CompiledStep:
     def set_state(self, state: PyTree) -> None:
         """Take `state` as the current state; it is split at the next call."""
         self._pending = state
-        self._gen += 1
-        self._spare = self._spare_next = None
+        if self._spare is not None:
+            self._spare.forget()
         if not self._ended:
             self.call = self._enter
 
@@ -216,72 +156,46 @@ class CompiledStep:
         if not self.donates or self._protect:
             return Staged(state, None)  # the next call donates nothing
         donated = self._donated_leaves()
-        if self._spare_jit is not None:
-            staged = self._stage_in_place(state, tuple(donated))
+        if self._spare is not None:
+            staged = self._stage_in_place(state, tuple(donated), self._spare)
             if staged is not None:
                 return staged
         ids = {id(x) for x in donated}
-        return Staged(jax.tree.map(lambda x: _to_host(x) if id(x) in ids else x, state), None)
+        return Staged(jax.tree.map(lambda x: to_host(x) if id(x) in ids else x, state), None)
 
-    def _stage_in_place(self, state: PyTree, part: tuple) -> Staged | None:
+    def _stage_in_place(self, state: PyTree, part: tuple, spare: Spare) -> Staged | None:
         """CPU: the saver reads `part` itself; the next step writes elsewhere."""
-        spare = self._spare
         steady = self._pending is _UNSET and self.call is self._normal
-        # a spare given back before the step after its save ran was donated by it
-        if (steady and spare is not None and self._spare_compiled.is_set()
-                and not any(a is b or a.is_deleted() for a, b in zip(spare, part))):
-            self._spare, self._spare_next = None, spare
+        hold = None
+        if steady and spare.take(part):
             self.call = self._spare_call
-            hold = None
-        elif self._spare_next is not None:
-            hold = None  # the next call already writes into a spare
-        else:
+        elif spare.next is None:  # (else the next call already writes into a spare)
             try:
-                hold = _views(part)  # XLA won't donate these: the step writes fresh buffers
+                hold = views(part)  # XLA won't donate these: the step writes fresh buffers
             except ValueError:  # shards with no host view: copy instead
                 return None
-            if steady and self._compiler is None:
-                self._compile_spare(part)
-        gen = self._gen
-        return Staged(state, hold, lambda: self._recycle(part, gen))
-
-    def _recycle(self, part: tuple, gen: int) -> None:
-        """A saver is done with `part` (any thread): the next save's step may write into it."""
-        if gen == self._gen and not self._ended:
-            self._spare = part
+            if steady:
+                args = (jax.tree.map(aval, self.live), tuple(aval(x) for x in part),
+                        *self._batch_avals)
+                spare.compile_ahead((jax.tree.map(aval, self.frozen), *args) if self._bound
+                                    else args)
+        return Staged(state, hold, spare.releaser(part))
 
     def _spare_call(self, live: Any, *batch: Any) -> Any:
         """The step after a save: donates the spare, not `live` (a saver reads it)."""
-        spare, self._spare_next = self._spare_next, None
+        spare = self._spare
+        assert spare is not None and spare.next is not None
+        into, spare.next = spare.next, None
         self.call = self._normal
         if self._bound:
-            return self._spare_jit(self.frozen, live, spare, *batch)
-        return self._spare_jit(live, spare, *batch)
-
-    def _compile_spare(self, part: tuple) -> None:
-        """Compile the spare variant in the background: first needed at the next save."""
-        args = (jax.tree.map(_aval, self.live), tuple(_aval(x) for x in part),
-                *self._batch_avals)
-        if self._bound:
-            args = (jax.tree.map(_aval, self.frozen), *args)
-
-        def compile_ahead() -> None:
-            try:
-                self._spare_jit.lower(*args).compile()
-            except Exception:  # noqa: BLE001 - saves then go on without a spare
-                log.warning("loopkit: could not compile the step's save variant; saves "
-                            "go on without spare buffers", exc_info=True)
-                return
-            self._spare_compiled.set()
-
-        self._compiler = threading.Thread(target=compile_ahead, daemon=True,
-                                          name="loopkit-compile-save-variant")
-        self._compiler.start()
+            return spare.jit(self.frozen, live, into, *batch)
+        return spare.jit(live, into, *batch)
 
     def skip_donation_once(self) -> None:
         """Make the next call donate nothing the current state holds."""
         self._protect = True
-        self._spare_next = None
+        if self._spare is not None:
+            self._spare.next = None
         if not self._ended:
             self.call = self._enter
 
@@ -289,9 +203,8 @@ class CompiledStep:
         """The session is over: every call now goes to `ended`."""
         self._ended = True
         self.call = self._normal = ended
-        self._spare = self._spare_next = None
-        if self._compiler is not None:
-            self._compiler.join()
+        if self._spare is not None:
+            self._spare.close()
 
     # -- the first call: trace, sort the leaves, jit ---------------------------------------
 
@@ -300,8 +213,8 @@ class CompiledStep:
         if self._pending is not _UNSET:
             if self._normal is None:
                 self._build(self._pending, batch)
-                if self._spare_jit is not None:
-                    self._batch_avals = tuple(jax.tree.map(_aval, batch))
+                if self._spare is not None:
+                    self._batch_avals = tuple(jax.tree.map(aval, batch))
             self.live = self._split(self._pending)
             self._pending = _UNSET
             self._bind()
@@ -390,8 +303,8 @@ class CompiledStep:
                 return body(*args[:k + 1], *args[k + 2:])
 
             # `spare` is never read: kept (and donated) so that the outputs land in it
-            self._spare_jit = jax.jit(inner_with_spare, donate_argnums=k + 1,
-                                      keep_unused=True, **kw)
+            self._spare = Spare(jax.jit(inner_with_spare, donate_argnums=k + 1,
+                                        keep_unused=True, **kw))
 
     def _split(self, state: PyTree) -> Any:
         """The state's donated part (and the carries' values), as the next call takes it."""
@@ -429,7 +342,7 @@ class CompiledStep:
             return self._normal(live, *batch)
         if self.by_views:
             try:
-                hold = _views(jax.tree.leaves(live))  # noqa: F841 - XLA won't donate these
+                hold = views(jax.tree.leaves(live))  # noqa: F841 - XLA won't donate these
             except ValueError:  # an array whose shards have no host view: as off CPU
                 hold = None
             if hold is not None:

@@ -1,0 +1,139 @@
+"""A state staged for a background reader while the loop goes on, and CPU's spare buffers.
+
+`CompiledStep.stage` hands a saver the state in a form the next steps cannot
+overwrite (see loopkit/step.py for which form, where). This module holds the
+parts: host copies, host views, and `Spare`, the CPU bookkeeping of buffers a
+finished save gave back for a later step to write into.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Callable, NamedTuple, Sequence
+
+import jax
+import numpy as np
+
+__all__ = ["Spare", "Staged", "aval", "to_host", "views", "views_protect"]
+
+log = logging.getLogger("loopkit")
+
+
+def views_protect() -> bool:
+    """Whether holding numpy views of buffers keeps XLA from donating them (CPU)."""
+    return jax.default_backend() == "cpu"
+
+
+def _release_nothing() -> None:
+    return None
+
+
+class Staged(NamedTuple):
+    """A state a background thread may read while the loop goes on (`Session.stage_state`)."""
+
+    #: the state to read: the session's, or with the leaves the next step
+    #: rewrites copied to host memory
+    state: Any
+    #: keep this referenced until the reading is done (None when nothing needs it)
+    hold: Any
+    #: call once the reading is done (the data written): on CPU the buffers then
+    #: serve as the spare the step after the next save writes into
+    release: Callable[[], None] = _release_nothing
+
+
+def aval(x: Any) -> Any:
+    """What `jit.lower` needs of an argument: its type and placement, not its buffer."""
+    if isinstance(x, (jax.Array, np.ndarray)):
+        committed = isinstance(x, jax.Array) and x.committed
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if committed else None,
+                                    weak_type=getattr(x, "weak_type", False))
+    return x
+
+
+def views(leaves: Sequence[Any]) -> list[np.ndarray]:
+    """Zero-copy host views of every addressable shard of the jax arrays in `leaves`."""
+    out = []
+    for x in leaves:
+        if isinstance(x, jax.Array):
+            if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+                x = jax.random.key_data(x)  # the key's own buffer
+            out.extend(np.asarray(s.data) for s in x.addressable_shards)
+    return out
+
+
+def to_host(x: Any) -> Any:
+    """`x` copied to host memory, keeping its sharding where the platform can."""
+    if not isinstance(x, jax.Array):
+        return x
+    try:
+        return jax.device_put(x, x.sharding.with_memory_kind("pinned_host"))
+    except Exception:  # noqa: BLE001 - no host memory kinds here: a numpy copy
+        return np.array(x)
+
+
+class Spare:
+    """CPU: the buffers a finished save gave back, for the step after the next save.
+
+    `jit` is the step's variant that takes ``(frozen,) live, spare, *batch`` and
+    donates `spare`, so its outputs land there while a saver reads `live`. It is
+    compiled in the background at the first save (`compile_ahead`) and used from
+    the first save whose predecessor has given its buffers back.
+    """
+
+    def __init__(self, jit: Any) -> None:
+        self.jit = jit
+        #: the buffers the next call writes into (None: a normal call)
+        self.next: tuple | None = None
+        self._given: tuple | None = None  # given back by a saver, not yet taken
+        self._compiled = threading.Event()
+        self._compiler: threading.Thread | None = None
+        self._generation = 0  # buffers given back from an older state are not taken
+
+    def take(self, part: tuple) -> bool:
+        """Write the next call's outputs into the given-back buffers, if they can be."""
+        given = self._given
+        # given back before the step after its save ran: that step donated them
+        if (given is None or not self._compiled.is_set()
+                or any(a is b or a.is_deleted() for a, b in zip(given, part))):
+            return False
+        self._given, self.next = None, given
+        return True
+
+    def releaser(self, part: tuple) -> Callable[[], None]:
+        """What a saver calls (from any thread) once done reading `part`."""
+        generation = self._generation
+
+        def release() -> None:
+            if generation == self._generation:
+                self._given = part
+
+        return release
+
+    def compile_ahead(self, args: tuple) -> None:
+        """Compile `jit` for `args` (avals) in a background thread, once."""
+        if self._compiler is not None:
+            return
+
+        def compile_() -> None:
+            try:
+                self.jit.lower(*args).compile()
+            except Exception:  # noqa: BLE001 - saves then go on without spare buffers
+                log.warning("loopkit: could not compile the step's save variant; saves "
+                            "go on without spare buffers", exc_info=True)
+                return
+            self._compiled.set()
+
+        self._compiler = threading.Thread(target=compile_, daemon=True,
+                                          name="loopkit-compile-save-variant")
+        self._compiler.start()
+
+    def forget(self) -> None:
+        """Drop every buffer held or given back until now (a new state, or the end)."""
+        self._generation += 1
+        self._given = self.next = None
+
+    def close(self) -> None:
+        self.forget()
+        if self._compiler is not None:
+            self._compiler.join()
