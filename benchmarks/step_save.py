@@ -13,8 +13,9 @@ rewrites a small head (a fine-tune). For each:
    the step that writes into spare buffers, those of the previous save (what
    loopkit does on CPU);
 2. loopkit end to end (orbax backend, saves spaced beyond a commit): the hold
-   per save, the save action plus the extra time of the step after it, each
-   step blocked on (the median, and the first save apart); the growth of peak
+   per save, the extra time of the step that saves plus that of the step after
+   it, each step blocked on (the median over the saves after the first, and the
+   first save apart); the growth of peak
    host memory (VmHWM) during a save, and of resident memory from before the
    first save to after the last; on an accelerator, the peak device memory of
    the run against the state's size (run one step kind per process for that:
@@ -169,46 +170,51 @@ def reset_hwm() -> bool:
 
 
 def end_to_end(step, mb: int, repeats: int, root: Path, raw: float) -> dict[str, float]:
-    """Median hold per save and save action (s), the first save's hold, memory growth (MB)."""
+    """Median hold per save and save action (s), the first save's hold, memory growth (MB).
+
+    A save runs inside the `run()` of its step (a multiple of `every`); the hold is
+    that call's extra time plus the next one's, over the median of the two steps
+    before the save (neither next to one).
+    """
     every = 4
     sv = loopkit.Supervisor(logdir=str(root), save_model_secs=None, save_model_steps=every,
                             progress=False, disable=("summaries",), autoload=False,
                             max_to_keep=1)
     holds, actions, growth = [], [], []
     space = max(1.5, 3 * raw)  # the last save has committed: nothing waits for it
+    times: dict[int, float] = {}
+
+    def run() -> None:
+        t, _ = timed(lambda: (sess.run(), sess.state)[1])
+        times[sess.step] = t
+
     # a callable: loopkit's arrays alone, none the caller keeps alive beside them
     with sv.managed_session(step, init=lambda: make_state(mb)) as sess:
-        for _ in range(every - 1):  # compile, warm up
-            sess.run()
-        jax.block_until_ready(sess.state)
+        run()  # compiles
         time.sleep(0.5)
         rss0 = rss_kb()
         sampler = DeviceSampler()
-        for _ in range(repeats):
+        while len(holds) < repeats:
+            while (sess.step + 1) % every:  # up to the step that saves
+                run()
             time.sleep(space)
             reset_hwm()
             base = hwm_kb()
-            times = []
-            for _ in range(every):
-                t, _ = timed(lambda: (sess.run(), sess.state)[1])
-                times.append(t)
-            normal = statistics.median(times[:-1])
-            save_step, after = times[-1], None
-            t, _ = timed(lambda: (sess.run(), sess.state)[1])
-            after = t
-            holds.append(save_step - normal + after - normal)
-            actions.append(sess.plugin_manager.get_plugin("checkpoint").blocking_secs or 0.0)
+            run()  # steps and saves
+            save = sess.step
+            action = sess.plugin_manager.get_plugin("checkpoint").blocking_secs or 0.0
+            run()  # the step after the save
+            normal = statistics.median([times[save - 2], times[save - 1]])
+            holds.append(times[save] - normal + times[save + 1] - normal)
+            actions.append(action)
             time.sleep(space)
             growth.append((hwm_kb() - base) / 1024)
-            for _ in range(every - 2):
-                sess.run()
-            jax.block_until_ready(sess.state)
-        time.sleep(1.5)
         resident = (rss_kb() - rss0) / 1024
         most = sampler.stop()
-    return {"hold": statistics.median(holds), "first": holds[0],
-            "action": statistics.median(actions), "growth": statistics.median(growth),
-            "resident": resident, "device": most}
+    return {"hold": statistics.median(holds[1:] or holds), "first": holds[0],
+            "action": statistics.median(actions[1:] or actions),
+            "growth": statistics.median(growth[1:] or growth), "resident": resident,
+            "device": most}
 
 
 def main() -> None:

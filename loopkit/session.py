@@ -159,9 +159,11 @@ class Session:
 
         The next steps donate (reuse) the buffers of the leaves they rewrite. A
         saver that reads the state in the background calls this at the step
-        boundary and keeps the result referenced until it is done: the leaves
-        the next step rewrites are copied to host memory here, and donation goes
-        on. Leaves the step returns unchanged are neither copied nor donated.
+        boundary, keeps the result referenced until it is done, then calls its
+        `release()`. Off CPU the leaves the next step rewrites are copied to host
+        memory here and donation goes on; on CPU the saver reads the buffers
+        themselves and the step after the save writes into those a finished save
+        released. Leaves the step returns unchanged are neither copied nor donated.
         """
         return self._compiled.stage(self.state)
 

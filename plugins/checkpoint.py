@@ -70,7 +70,8 @@ class Commit:
     """One save in flight: a thread waits until the backend made it durable, then publishes.
 
     `hold` (the staged state) stays referenced until the backend has read it, so
-    the steps meanwhile donate none of its buffers.
+    the steps meanwhile donate none of its buffers; then it is released, for the
+    step after a later save to write into (on CPU).
     """
 
     def __init__(self, step: int, backend: CheckpointBackend, hold: Any,
