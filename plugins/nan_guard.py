@@ -31,6 +31,7 @@ class NanGuardPlugin:
     def __init__(self, config: Config) -> None:
         self.metric: str = config.nan_guard  # type: ignore[assignment]
         self._pending: tuple[int, Any] | None = None  # (step, value) not checked yet
+        self._guarded = False  # a transfer guard refused the prefetch once
 
     @hookimpl
     def after_step(self, session: Session, step: int, metrics: Mapping[str, Any]) -> None:
@@ -43,8 +44,20 @@ class NanGuardPlugin:
                 f"the metrics at step {step} are {available!r}"
             ) from None
         copy = getattr(value, "copy_to_host_async", None)
-        if copy is not None:
-            copy()  # start the transfer now; it is read one step later
+        if copy is not None:  # start the transfer now; it is read one step later
+            if self._guarded:
+                with jax.transfer_guard_device_to_host("allow"):
+                    copy()
+            else:
+                try:
+                    copy()
+                except jax.errors.JaxRuntimeError:
+                    # the user's transfer guard forbids implicit transfers, and newer
+                    # jax counts this prefetch as one; the check reads with an
+                    # explicit `jax.device_get`, so the guard allows it here too
+                    self._guarded = True
+                    with jax.transfer_guard_device_to_host("allow"):
+                        copy()
         pending, self._pending = self._pending, (step, value)
         if pending is not None:
             self._check(*pending)
