@@ -17,9 +17,9 @@ costs about what a fresh write of them does, so a save hands the saver the buffe
 themselves and the step after it writes into *spare* buffers instead: those of the
 previous save, which its saver gave back (`Staged.release`), donated through a
 variant compiled in the background at the first save. Until a spare exists (the
-first save, or a saver that never releases) the saver holds numpy views: XLA does
-not donate a buffer that has an external reference, so the step writes fresh
-buffers. The first step of a session must not donate the caller's arrays: on CPU
+first save, or a saver that never releases) the saver reads a copy made at the
+save (`jax.device_put(..., may_alias=False)`), which becomes the spare once
+released. The first step of a session must not donate the caller's arrays: on CPU
 views protect them the same way; elsewhere it runs a non-donating variant of the
 same function. A step the user jitted is called as given; its state is protected
 by a host copy at a save, never copied leaf by leaf.
@@ -157,29 +157,30 @@ class CompiledStep:
             return Staged(state, None)  # the next call donates nothing
         donated = self._donated_leaves()
         if self._spare is not None:
-            staged = self._stage_in_place(state, tuple(donated), self._spare)
-            if staged is not None:
-                return staged
-        ids = {id(x) for x in donated}
-        return Staged(jax.tree.map(lambda x: to_host(x) if id(x) in ids else x, state), None)
+            return self._stage_in_place(state, tuple(donated), self._spare)
+        return Staged(self._swap(state, donated, [to_host(x) for x in donated]), None)
 
-    def _stage_in_place(self, state: PyTree, part: tuple, spare: Spare) -> Staged | None:
-        """CPU: the saver reads `part` itself; the next step writes elsewhere."""
+    def _stage_in_place(self, state: PyTree, part: tuple, spare: Spare) -> Staged:
+        """CPU: the saver reads `part` itself and the next step writes into a spare, or
+        the saver reads a copy of `part`, which becomes a spare once released."""
         steady = self._pending is _UNSET and self.call is self._normal
-        hold = None
         if steady and spare.take(part):
             self.call = self._spare_call
-        elif spare.next is None:  # (else the next call already writes into a spare)
-            try:
-                hold = views(part)  # XLA won't donate these: the step writes fresh buffers
-            except ValueError:  # shards with no host view: copy instead
-                return None
-            if steady:
-                args = (jax.tree.map(aval, self.live), tuple(aval(x) for x in part),
-                        *self._batch_avals)
-                spare.compile_ahead((jax.tree.map(aval, self.frozen), *args) if self._bound
-                                    else args)
-        return Staged(state, hold, spare.releaser(part))
+        if spare.next is not None:  # the next call writes into a spare: `part` is safe
+            return Staged(state, None, spare.releaser(part))
+        copies = tuple(jax.device_put(list(part), may_alias=False))
+        if not steady:  # a state set from outside: its copies may not match the next
+            return Staged(self._swap(state, part, copies), None)
+        args = (jax.tree.map(aval, self.live), tuple(aval(x) for x in part),
+                *self._batch_avals)
+        spare.compile_ahead((jax.tree.map(aval, self.frozen), *args) if self._bound else args)
+        return Staged(self._swap(state, part, copies), None, spare.releaser(copies))
+
+    @staticmethod
+    def _swap(state: PyTree, part: Sequence[Any], new: Sequence[Any]) -> PyTree:
+        """`state` with each leaf of `part` replaced by the same place of `new`."""
+        by_id = {id(x): y for x, y in zip(part, new)}
+        return jax.tree.map(lambda x: by_id.get(id(x), x), state)
 
     def _spare_call(self, live: Any, *batch: Any) -> Any:
         """The step after a save: donates the spare, not `live` (a saver reads it)."""
