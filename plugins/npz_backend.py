@@ -53,8 +53,8 @@ _VERSION = 1
 _READERS = min(4, os.cpu_count() or 1)  # threads reading members at once (more than cores: slower)
 
 from loopkit.plugins.leaf_records import (  # noqa: E402
-    LeafRecord, dtype_from_name, finish, host_value, leaf_records, like_leaves, nest, placement, put_all,
-    read_records, remove_stale, saving_lock,
+    LeafRecord, aligned_empty, dtype_from_name, finish, host_value, leaf_records, like_leaves,
+    nest, placement, put_all, read_records, remove_stale, saving_lock,
 )
 
 
@@ -294,7 +294,7 @@ class _Reader:
                 raise ValueError(f"member {member!r} holds Python objects (never unpickled)")
             self._headers[header] = parsed
         shape, fortran, dtype = parsed
-        arr = _aligned_empty(shape[::-1] if fortran else shape, dtype)
+        arr = aligned_empty(shape[::-1] if fortran else shape, dtype)
         data = memoryview(arr.reshape(-1).view(np.uint8))
         head_len = len(magic) + len(size_bytes) + len(header)
         if head_len + len(data) != info.file_size:
@@ -315,18 +315,6 @@ class _Reader:
         if crc != info.CRC:
             raise ValueError(f"member {member!r} is corrupt (CRC mismatch)")
         return arr.T if fortran else arr
-
-
-def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """An uninitialised array whose data starts on a 64-byte boundary.
-
-    jax's CPU backend places such an array without copying it (numpy's own start
-    16 bytes into a page): a restore then touches its memory once, not twice.
-    """
-    size = int(np.prod(shape)) * dtype.itemsize
-    buf = np.empty(size + 64, np.uint8)
-    start = -buf.ctypes.data % 64
-    return buf[start:start + size].view(dtype).reshape(shape)
 
 
 _CHUNK = 16 << 20  # read, then checksum while the bytes are still in the CPU's cache

@@ -7,7 +7,9 @@ that orbax holds as sequences. Version 2 stores the state in its own structure
 (lists stay lists), version 1 stored nested dicts keyed by the path components; both
 read the same way. A checkpoint without that head (a plain `StandardCheckpointer` or
 `PyTreeCheckpointer` save) is described from orbax's own tree metadata instead.
-Only public orbax API is used.
+Only public orbax API is used. Arrays this process reads whole are read with
+tensorstore directly (`read_direct`), through orbax's own read specs and the
+value types in orbax's ``_METADATA``; everything else goes through orbax's restore.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ import numpy as np
 
 from loopkit.errors import CheckpointError
 from loopkit.plugins.leaf_records import (
-    LeafRecord, dtype_name, finish, host_value, like_leaves, nest, placement, put_all,
-    read_records,
+    LeafRecord, aligned_empty, dtype_name, finish, host_value, like_leaves, nest, placement,
+    put_all, read_records,
 )
 
 __all__ = ["Head", "OrbaxCheckpoint", "is_orbax_tree", "read_arrays", "read_head",
@@ -172,14 +174,6 @@ _DIRECT_TYPES = ("np.ndarray", "jax.Array")  # orbax value types stored as one z
 _NAME = "@loopkit-array-name@"
 
 
-def _aligned(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """An uninitialised array whose data starts on 64 bytes: jax's CPU backend adopts it."""
-    size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    buf = np.empty(size + 64, np.uint8)
-    start = -buf.ctypes.data % 64
-    return buf[start:start + size].view(dtype).reshape(shape)
-
-
 def read_direct(path: Path, wanted: dict[str, tuple[str, ...]]) -> dict[str, np.ndarray]:
     """Whole arrays of ``wanted`` (name -> stored path) read with tensorstore alone.
 
@@ -221,7 +215,7 @@ def read_direct(path: Path, wanted: dict[str, tuple[str, ...]]) -> dict[str, np.
             **kvstore, "path": kvstore["path"].replace(_NAME, ".".join(wanted[n]))}},
             context=context, open=True, read=True) for n in names]
         stores = [f.result() for f in opening]
-        out = [_aligned(tuple(s.shape), np.dtype(s.dtype.numpy_dtype)) for s in stores]
+        out = [aligned_empty(tuple(s.shape), np.dtype(s.dtype.numpy_dtype)) for s in stores]
         copies = [ts.array(a, copy=False, write=True).write(s) for a, s in zip(out, stores)]
         for c in copies:
             c.result()
