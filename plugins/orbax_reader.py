@@ -201,7 +201,9 @@ def read_direct(path: Path, wanted: dict[str, tuple[str, ...]]) -> dict[str, np.
     if not names:
         return {}
     ocdbt = ocp.type_handlers.is_ocdbt_checkpoint(epath.Path(path))
-    context = ts.Context({"cache_pool#ocdbt": {}})
+    # orbax's cache of OCDBT tree nodes (not of array data): each array's reads look
+    # their keys up in the same tree (a cold restore of 16 leaves measured 20% faster)
+    context = ts.Context({"cache_pool#ocdbt": {"total_bytes_limit": 100_000_000}})
     # orbax's spec for one placeholder name, filled in per array: building each
     # one through orbax costs more than opening it (0.1 ms of Python per array)
     spec = ocp.type_handlers.get_json_tspec_read(ocp.type_handlers.ParamInfo(
