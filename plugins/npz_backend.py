@@ -53,8 +53,8 @@ _VERSION = 1
 _READERS = min(4, os.cpu_count() or 1)  # threads reading members at once (more than cores: slower)
 
 from loopkit.plugins.leaf_records import (  # noqa: E402
-    LeafRecord, dtype_from_name, finish, host_value, leaf_records, like_leaves, nest, placement, put_all,
-    read_records, remove_stale, saving_lock,
+    LeafRecord, aligned_empty, dtype_from_name, finish, host_value, leaf_records, like_leaves,
+    nest, placement, put_all, read_records, remove_stale, saving_lock,
 )
 
 
@@ -205,8 +205,13 @@ class NpzBackend:
         want = like_leaves(like)
         with self._open(step) as (reader, head, records):
             # several members at once: reading and checking each is mostly outside the GIL
+            # in a few tasks, not one per leaf: a task costs tens of µs
+            tasks = min(len(records), 4 * _READERS)
             with concurrent.futures.ThreadPoolExecutor(_READERS) as pool:
-                arrays = list(pool.map(lambda r: self._read(reader, r, self.path(step)), records))
+                parts = list(pool.map(lambda part: [self._read(reader, r, self.path(step))
+                                                    for r in part],
+                                      [records[i::tasks] for i in range(tasks)]))
+            arrays = [parts[i % tasks][i // tasks] for i in range(len(records))]
             values = [host_value(rec, arr) for rec, arr in zip(records, arrays)]
         # placed in one batch: a device_put per leaf costs more than reading it
         placed, shardings = [], []
@@ -274,17 +279,25 @@ class _Reader:
             with self._zip.open(info) as f:
                 return np.lib.format.read_array(f, allow_pickle=False)
         fd, at = self._file.fileno(), info.header_offset
-        local = _pread(fd, 30, at)
+        # one read for the zip's local header and, usually, the whole .npy header
+        first = os.pread(fd, _HEAD, at)
+        local = first[:30] if len(first) >= 30 else _pread(fd, 30, at)
         if local[:4] != b"PK\x03\x04":
             raise ValueError(f"member {member!r}: bad local header")
         name_len, extra_len = struct.unpack("<HH", local[26:30])
         at += 30 + name_len + extra_len
-        magic = _pread(fd, 8, at)
+        first = first[30 + name_len + extra_len:]
+        magic = first[:8] if len(first) >= 8 else _pread(fd, 8, at)
         if magic[:6] != b"\x93NUMPY" or magic[6] not in (1, 2, 3):
             raise ValueError(f"member {member!r} is not a .npy array")
-        size_bytes = _pread(fd, 2 if magic[6] == 1 else 4, at + 8)
-        header = _pread(fd, struct.unpack("<H" if magic[6] == 1 else "<I", size_bytes)[0],
-                        at + 8 + len(size_bytes))
+        size_len = 2 if magic[6] == 1 else 4
+        size_bytes = first[8:8 + size_len]
+        if len(size_bytes) != size_len:
+            size_bytes = _pread(fd, size_len, at + 8)
+        header_len = struct.unpack("<H" if magic[6] == 1 else "<I", size_bytes)[0]
+        header = first[8 + size_len:8 + size_len + header_len]
+        if len(header) != header_len:
+            header = _pread(fd, header_len, at + 8 + size_len)
         parsed = self._headers.get(header)
         if parsed is None:
             read_header = (np.lib.format.read_array_header_1_0 if magic[6] == 1
@@ -294,7 +307,7 @@ class _Reader:
                 raise ValueError(f"member {member!r} holds Python objects (never unpickled)")
             self._headers[header] = parsed
         shape, fortran, dtype = parsed
-        arr = _aligned_empty(shape[::-1] if fortran else shape, dtype)
+        arr = aligned_empty(shape[::-1] if fortran else shape, dtype)
         data = memoryview(arr.reshape(-1).view(np.uint8))
         head_len = len(magic) + len(size_bytes) + len(header)
         if head_len + len(data) != info.file_size:
@@ -317,19 +330,8 @@ class _Reader:
         return arr.T if fortran else arr
 
 
-def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """An uninitialised array whose data starts on a 64-byte boundary.
-
-    jax's CPU backend places such an array without copying it (numpy's own start
-    16 bytes into a page): a restore then touches its memory once, not twice.
-    """
-    size = int(np.prod(shape)) * dtype.itemsize
-    buf = np.empty(size + 64, np.uint8)
-    start = -buf.ctypes.data % 64
-    return buf[start:start + size].view(dtype).reshape(shape)
-
-
 _CHUNK = 16 << 20  # read, then checksum while the bytes are still in the CPU's cache
+_HEAD = 512  # bytes read at once at a member's start: its zip and .npy headers fit
 
 
 def _pread(fd: int, n: int, offset: int) -> bytes:

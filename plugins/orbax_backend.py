@@ -126,7 +126,9 @@ class OrbaxBackend:
     Asynchronous: `save` hands the write to a background thread and returns;
     `wait` blocks until it is committed. The keyword options go to orbax's
     `PyTreeCheckpointHandler`; the defaults are the fastest measured here
-    (benchmarks/README.md, "Checkpoint I/O").
+    (benchmarks/README.md, "Checkpoint I/O"). ``restore_concurrent_gb`` bounds orbax's
+    reads of arrays spread over processes; arrays a process reads whole go straight
+    into their own buffers (`orbax_reader.read_direct`).
     """
 
     def __init__(self, directory: str | os.PathLike[str], basename: str = "model.ckpt",
