@@ -168,9 +168,10 @@ class CompiledStep:
             self.call = self._spare_call
         if spare.next is not None:  # the next call writes into a spare: `part` is safe
             return Staged(state, None, spare.releaser(part))
-        copies = tuple(jax.device_put(list(part), may_alias=False))
-        if not steady:  # a state set from outside: its copies may not match the next
-            return Staged(self._swap(state, part, copies), None)
+        if not steady:  # a state set from outside, split at the next call: copied
+            return Staged(self._swap(state, part, [to_host(x) for x in part]), None)
+        # each leaf where it is (a copy of this process's shards of a global array)
+        copies = tuple(jax.device_put(list(part), [x.sharding for x in part], may_alias=False))
         args = (jax.tree.map(aval, self.live), tuple(aval(x) for x in part),
                 *self._batch_avals)
         spare.compile_ahead((jax.tree.map(aval, self.frozen), *args) if self._bound else args)
@@ -297,7 +298,10 @@ class CompiledStep:
         donated = (1 if self._bound else 0) if self.donates else ()
         self._donating = jax.jit(inner, donate_argnums=donated, **kw)
         self._plain = jax.jit(inner, **kw) if self.donates else self._donating
-        if self.donates and self.by_views and layout is not None and layout.rewritten:
+        # one process only: with several, each must run the same executable at a step,
+        # and whether a spare is ready differs between them
+        if (self.donates and self.by_views and layout is not None and layout.rewritten
+                and jax.process_count() == 1):
             body, k = inner, (1 if self._bound else 0)
 
             def inner_with_spare(*args: Any) -> Any:  # (frozen,) live, spare, *batch
