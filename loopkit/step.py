@@ -106,7 +106,6 @@ class CompiledStep:
         self._normal: Callable[..., Any] | None = None
         self._ended = False
         self._ahead = False  # the donating variant compiled (off CPU)
-        self._copier: Any = None
         self._firsts: tuple = ()
         self._spare: Spare | None = None  # CPU: the step after a save writes elsewhere
         self._batch_avals: tuple = ()
@@ -353,10 +352,15 @@ class CompiledStep:
             if hold is not None:
                 return self._normal(live, *batch)
         if self.user_jitted:
-            # one compile for the whole tree, never one per leaf
-            copier = self._copier = self._copier or jax.jit(
-                lambda tree: jax.tree.map(lambda x: jnp.array(x, copy=True), tree))
-            return self._normal(copier(live), *batch)
+            # the arrays copied where they are, in one batch: nothing compiled, and
+            # leaves a library's jit treats as static (a string) passed as they are
+            leaves, treedef = jax.tree.flatten(live)
+            at = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
+            copies = jax.device_put([leaves[i] for i in at], [leaves[i].sharding for i in at],
+                                    may_alias=False)
+            for i, x in zip(at, copies):
+                leaves[i] = x
+            return self._normal(treedef.unflatten(leaves), *batch)
         args = (self.frozen, live, *batch) if self._bound else (live, *batch)
         if not self._ahead:
             self._ahead = True  # the normal variant, compiled before it is first needed

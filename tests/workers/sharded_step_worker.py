@@ -181,7 +181,27 @@ def case_prejitted():
     steps = [n for n in compiles.names if n == "jit(step)"]
     assert len(steps) == 1, compiles.names
     assert len(compiles.names) <= 4, compiles.names  # no per-leaf copy
-    return f"compiles: {', '.join(compiles.names)}"
+    tagged = prejitted_with_static_leaves()
+    return f"compiles: {', '.join(compiles.names)}; {tagged}"
+
+
+def prejitted_with_static_leaves():
+    """An equinox step: a string leaf is static to it, a typed key is an array."""
+    import equinox as eqx
+
+    @eqx.filter_jit(donate="all")
+    def step(s):
+        return {"w": s["w"] + 1, "key": jax.random.split(s["key"])[0], "tag": s["tag"]}, {}
+
+    init = {"w": jnp.zeros(4), "key": jax.random.key(0), "tag": "run-a"}
+    result = loopkit.train(step, init=init, logdir=os.path.join(directory, "eqx"),
+                           max_steps=4, save_model_steps=2, **KW)
+    np.testing.assert_array_equal(np.asarray(result.state["w"]), np.full(4, 4.0))
+    assert result.state["tag"] == "run-a"
+    assert not init["w"].is_deleted() and not init["key"].is_deleted()
+    saved = loopkit.load_checkpoint(os.path.join(directory, "eqx", "model.ckpt-2"))
+    np.testing.assert_array_equal(np.asarray(saved["w"]), np.full(4, 2.0))
+    return "equinox step with a string leaf: ok"
 
 
 figures = {"layout": case_layout, "compiles": case_compiles, "prejitted": case_prejitted}[case]()
