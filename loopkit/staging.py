@@ -110,6 +110,11 @@ class Spare:
 
         return release
 
+    @property
+    def compiling(self) -> bool:
+        """Whether `compile_ahead` was called (the compile may be under way or done)."""
+        return self._compiler is not None
+
     def compile_ahead(self, args: tuple) -> None:
         """Compile `jit` for `args` (avals) in a background thread, once."""
         if self._compiler is not None:

@@ -171,9 +171,11 @@ class CompiledStep:
             return Staged(self._swap(state, part, [to_host(x) for x in part]), None)
         # each leaf where it is (a copy of this process's shards of a global array)
         copies = tuple(jax.device_put(list(part), [x.sharding for x in part], may_alias=False))
-        args = (jax.tree.map(aval, self.live), tuple(aval(x) for x in part),
-                *self._batch_avals)
-        spare.compile_ahead((jax.tree.map(aval, self.frozen), *args) if self._bound else args)
+        if not spare.compiling:
+            args = (jax.tree.map(aval, self.live), tuple(aval(x) for x in part),
+                    *self._batch_avals)
+            spare.compile_ahead((jax.tree.map(aval, self.frozen), *args) if self._bound
+                                else args)
         return Staged(self._swap(state, part, copies), None, spare.releaser(copies))
 
     @staticmethod
