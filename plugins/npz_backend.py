@@ -119,10 +119,11 @@ class NpzBackend:
         with saving_lock(self.directory):
             try:
                 with open(tmp, "wb") as f:
+                    headers: dict[tuple, bytes] = {}
                     with zipfile.ZipFile(f, "w", self.compression, allowZip64=True) as zf:
                         for name, arr in [(_META_MEMBER, blob), *members]:
                             with zf.open(name + ".npy", "w", force_zip64=True) as out:
-                                np.lib.format.write_array(out, arr, allow_pickle=False)
+                                _write_npy(out, arr, headers)
                     f.flush()
                     os.fsync(f.fileno())
                 os.replace(tmp, final)
@@ -332,6 +333,27 @@ class _Reader:
 
 _CHUNK = 16 << 20  # read, then checksum while the bytes are still in the CPU's cache
 _HEAD = 512  # bytes read at once at a member's start: its zip and .npy headers fit
+
+
+def _write_npy(out: Any, arr: np.ndarray, headers: dict[tuple, bytes]) -> None:
+    """`np.lib.format.write_array`, with each distinct header made once (a deep
+    state repeats a few shapes thousands of times)."""
+    if not arr.flags.c_contiguous:
+        arr = arr.copy(order="C")  # (not ascontiguousarray: it turns 0-d into 1-d)
+    key = (arr.dtype.str, arr.shape)
+    header = headers.get(key)
+    if header is None:
+        buf = io.BytesIO()
+        meta = np.lib.format.header_data_from_array_1_0(arr)
+        try:
+            np.lib.format.write_array_header_1_0(buf, meta)
+        except ValueError:  # a header over 64 KiB (a huge number of dimensions)
+            buf = io.BytesIO()
+            np.lib.format.write_array_header_2_0(buf, meta)
+        header = headers[key] = buf.getvalue()
+    out.write(header)
+    if arr.size:
+        out.write(memoryview(arr.reshape(-1)).cast("B"))
 
 
 def _pread(fd: int, n: int, offset: int) -> bytes:
