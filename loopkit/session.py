@@ -165,7 +165,7 @@ class Session:
         themselves and the step after the save writes into those a finished save
         released. Leaves the step returns unchanged are neither copied nor donated.
         """
-        return self._compiled.stage(self.state)
+        return self._compiled.stage(self.state, ahead=not self.should_stop())
 
     def skip_donation_once(self) -> None:
         """Run the next step without donating any buffer the current state holds."""

@@ -77,36 +77,53 @@ class Spare:
 
     `jit` is the step's variant that takes ``(frozen,) live, spare, *batch`` and
     donates `spare`, so its outputs land there while a saver reads `live`. It is
-    compiled in the background at the first save (`compile_ahead`) and used from
-    the first save whose predecessor has given its buffers back.
+    lowered at the first save and compiled in the background (`compile_ahead`),
+    then used from the first save whose predecessor has given its buffers back.
+    Buffers staged by several readers at once are given back by the last of them.
     """
 
     def __init__(self, jit: Any) -> None:
         self.jit = jit
         #: the buffers the next call writes into (None: a normal call)
         self.next: tuple | None = None
-        self._given: tuple | None = None  # given back by a saver, not yet taken
+        self._lock = threading.Lock()  # release() comes from readers' threads
+        self._given: tuple | None = None  # given back by every reader, not yet taken
+        self._readers: dict[tuple[int, ...], list] = {}  # staged buffers: [part, readers]
         self._compiled = threading.Event()
         self._compiler: threading.Thread | None = None
         self._generation = 0  # buffers given back from an older state are not taken
 
     def take(self, part: tuple) -> bool:
         """Write the next call's outputs into the given-back buffers, if they can be."""
-        given = self._given
-        # given back before the step after its save ran: that step donated them
-        if (given is None or not self._compiled.is_set()
-                or any(a is b or a.is_deleted() for a, b in zip(given, part))):
-            return False
-        self._given, self.next = None, given
-        return True
+        with self._lock:
+            given = self._given
+            # given back after a step that donated them (its save had finished
+            # before it ran), or still the state the next step takes
+            if (given is None or not self._compiled.is_set()
+                    or any(a is b or a.is_deleted() for a, b in zip(given, part))):
+                return False
+            self._given, self.next = None, given
+            return True
 
     def releaser(self, part: tuple) -> Callable[[], None]:
-        """What a saver calls (from any thread) once done reading `part`."""
-        generation = self._generation
+        """What a reader calls (from any thread, once) when done reading `part`."""
+        key = tuple(id(x) for x in part)
+        with self._lock:
+            generation = self._generation
+            entry = self._readers.setdefault(key, [part, 0])
+            entry[1] += 1
+        done = threading.Event()
 
         def release() -> None:
-            if generation == self._generation:
-                self._given = part
+            if done.is_set():
+                return
+            done.set()
+            with self._lock:
+                entry[1] -= 1
+                if entry[1] == 0 and self._readers.get(key) is entry:
+                    del self._readers[key]
+                    if generation == self._generation:
+                        self._given = part
 
         return release
 
@@ -116,13 +133,24 @@ class Spare:
         return self._compiler is not None
 
     def compile_ahead(self, args: tuple) -> None:
-        """Compile `jit` for `args` (avals) in a background thread, once."""
+        """Lower `jit` for `args` (avals) here, compile it in a background thread, once.
+
+        Lowering traces the step, so it runs in the caller's thread, inside the
+        caller's JAX context (a mesh set with `jax.set_mesh`, x64, ...).
+        """
         if self._compiler is not None:
+            return
+        try:
+            lowered = self.jit.lower(*args)
+        except Exception:  # noqa: BLE001 - saves then go on without spare buffers
+            log.warning("loopkit: could not lower the step's save variant; saves go on "
+                        "without spare buffers", exc_info=True)
+            self._compiler = threading.Thread(target=lambda: None)  # tried: not again
             return
 
         def compile_() -> None:
             try:
-                self.jit.lower(*args).compile()
+                lowered.compile()
             except Exception:  # noqa: BLE001 - saves then go on without spare buffers
                 log.warning("loopkit: could not compile the step's save variant; saves "
                             "go on without spare buffers", exc_info=True)
@@ -135,10 +163,12 @@ class Spare:
 
     def forget(self) -> None:
         """Drop every buffer held or given back until now (a new state, or the end)."""
-        self._generation += 1
-        self._given = self.next = None
+        with self._lock:
+            self._generation += 1
+            self._given = self.next = None
+            self._readers.clear()
 
     def close(self) -> None:
         self.forget()
-        if self._compiler is not None:
+        if self._compiler is not None and self._compiler.ident is not None:
             self._compiler.join()

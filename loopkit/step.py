@@ -118,6 +118,10 @@ class CompiledStep:
         """Take `state` as the current state; it is split at the next call."""
         self._pending = state
         if self._spare is not None:
+            if self._spare.next is not None:
+                # a saver reads the current buffers, which the new state may hold:
+                # the next call donates none of them
+                self._protect = True
             self._spare.forget()
         if not self._ended:
             self.call = self._enter
@@ -150,16 +154,21 @@ class CompiledStep:
             return jax.tree.leaves(self.state())
         return list(self.live[0] if self.carries else self.live)
 
-    def stage(self, state: PyTree) -> Staged:
-        """`state` made safe to read from another thread while the next steps run."""
+    def stage(self, state: PyTree, ahead: bool = True) -> Staged:
+        """`state` made safe to read from another thread while the next steps run.
+
+        `ahead`: whether more steps may follow (not at a stop), so that the save
+        variant (CPU) is worth compiling now.
+        """
         if not self.donates or self._protect:
             return Staged(state, None)  # the next call donates nothing
         donated = self._donated_leaves()
         if self._spare is not None:
-            return self._stage_in_place(state, tuple(donated), self._spare)
+            return self._stage_in_place(state, tuple(donated), self._spare, ahead)
         return Staged(self._swap(state, donated, [to_host(x) for x in donated]), None)
 
-    def _stage_in_place(self, state: PyTree, part: tuple, spare: Spare) -> Staged:
+    def _stage_in_place(self, state: PyTree, part: tuple, spare: Spare,
+                        ahead: bool) -> Staged:
         """CPU: the saver reads `part` itself and the next step writes into a spare, or
         the saver reads a copy of `part`, which becomes a spare once released."""
         steady = self._pending is _UNSET and self.call is self._normal
@@ -169,9 +178,9 @@ class CompiledStep:
             return Staged(state, None, spare.releaser(part))
         if not steady:  # a state set from outside, split at the next call: copied
             return Staged(self._swap(state, part, [to_host(x) for x in part]), None)
-        # each leaf where it is (a copy of this process's shards of a global array)
-        copies = tuple(jax.device_put(list(part), [x.sharding for x in part], may_alias=False))
-        if not spare.compiling:
+        # each leaf where it is, committed as it is: the spare variant's signature
+        copies = tuple(jax.device_put(list(part), may_alias=False))
+        if ahead and not spare.compiling:
             args = (jax.tree.map(aval, self.live), tuple(aval(x) for x in part),
                     *self._batch_avals)
             spare.compile_ahead((jax.tree.map(aval, self.frozen), *args) if self._bound
@@ -189,10 +198,17 @@ class CompiledStep:
         spare = self._spare
         assert spare is not None and spare.next is not None
         into, spare.next = spare.next, None
+        try:
+            if self._bound:
+                out = spare.jit(self.frozen, live, into, *batch)
+            else:
+                out = spare.jit(live, into, *batch)
+        except BaseException:
+            # a caller may go on after a failed step: the saver still reads `live`
+            self.skip_donation_once()
+            raise
         self.call = self._normal
-        if self._bound:
-            return spare.jit(self.frozen, live, into, *batch)
-        return spare.jit(live, into, *batch)
+        return out
 
     def skip_donation_once(self) -> None:
         """Make the next call donate nothing the current state holds."""

@@ -69,9 +69,10 @@ BLOCKING_TAG = "loopkit/checkpoint_blocking_secs"
 class Commit:
     """One save in flight: a thread waits until the backend made it durable, then publishes.
 
-    `hold` (the staged state) stays referenced until the backend has read it, so
-    the steps meanwhile donate none of its buffers; then it is released, for the
-    step after a later save to write into (on CPU).
+    `hold` (the `Staged` state) stays referenced until the backend has read and
+    written it, then is released: off CPU the staged state holds host copies; on
+    CPU it may hold the very buffers, which the step after a later save then
+    writes into.
     """
 
     def __init__(self, step: int, backend: CheckpointBackend, hold: Any,
