@@ -91,6 +91,8 @@ class Spare:
         self._readers: dict[tuple[int, ...], list] = {}  # staged buffers: [part, readers]
         self._compiled = threading.Event()
         self._compiler: threading.Thread | None = None
+        #: whether `compile_ahead` was called (the compile may be under way, done or failed)
+        self.compiling = False
         self._generation = 0  # buffers given back from an older state are not taken
 
     def take(self, part: tuple) -> bool:
@@ -127,25 +129,20 @@ class Spare:
 
         return release
 
-    @property
-    def compiling(self) -> bool:
-        """Whether `compile_ahead` was called (the compile may be under way or done)."""
-        return self._compiler is not None
-
     def compile_ahead(self, args: tuple) -> None:
         """Lower `jit` for `args` (avals) here, compile it in a background thread, once.
 
         Lowering traces the step, so it runs in the caller's thread, inside the
         caller's JAX context (a mesh set with `jax.set_mesh`, x64, ...).
         """
-        if self._compiler is not None:
+        if self.compiling:
             return
+        self.compiling = True
         try:
             lowered = self.jit.lower(*args)
         except Exception:  # noqa: BLE001 - saves then go on without spare buffers
             log.warning("loopkit: could not lower the step's save variant; saves go on "
                         "without spare buffers", exc_info=True)
-            self._compiler = threading.Thread(target=lambda: None)  # tried: not again
             return
 
         def compile_() -> None:
@@ -170,5 +167,5 @@ class Spare:
 
     def close(self) -> None:
         self.forget()
-        if self._compiler is not None and self._compiler.ident is not None:
+        if self._compiler is not None:
             self._compiler.join()
