@@ -15,6 +15,8 @@ from typing import Any, Callable, NamedTuple, Sequence
 import jax
 import numpy as np
 
+from loopkit.pytree import is_key
+
 __all__ = ["Spare", "Staged", "aval", "to_host", "views", "views_protect"]
 
 log = logging.getLogger("loopkit")
@@ -56,7 +58,7 @@ def views(leaves: Sequence[Any]) -> list[np.ndarray]:
     out = []
     for x in leaves:
         if isinstance(x, jax.Array):
-            if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            if is_key(x.dtype):
                 x = jax.random.key_data(x)  # the key's own buffer
             out.extend(np.asarray(s.data) for s in x.addressable_shards)
     return out

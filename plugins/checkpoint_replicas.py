@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 from loopkit.errors import CheckpointError
-from loopkit.pytree import leaf_path
+from loopkit.pytree import is_key, leaf_path
 
 __all__ = ["agree_to_save", "host_copies"]
 
@@ -49,7 +49,7 @@ def host_copies(state: Any) -> tuple[Any, list[str], list[int]]:
             leaves.append(leaf)
             continue
         if isinstance(leaf, jax.Array):
-            if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            if is_key(leaf.dtype):
                 host = np.asarray(jax.random.key_data(leaf))  # kept typed for the backend
             else:
                 leaf = host = np.asarray(leaf)  # on CPU a view; the backend copies it

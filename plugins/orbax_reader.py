@@ -236,12 +236,15 @@ def read_arrays(reader: Any, path: Path, head: Head, records: Sequence[LeafRecor
 
     stored, args, puts = {}, {}, {}
     host: dict[str, tuple[str, ...]] = {}  # read whole to the host
+    stored_as: list[str | None] = []  # each record's name in orbax (None: not in orbax)
     for rec in records:
         struct = rec.struct()
         if not rec.has_array or 0 in struct.shape:
+            stored_as.append(None)
             continue
         as_jax, sharding = placement(like.get(rec.name), struct.shape, struct.dtype)
         name = "/".join(rec.path or ("state",))
+        stored_as.append(name)
         stored[name] = rec.path or ("state",)
         if as_jax and sharding is not None and not sharding.is_fully_addressable:
             # orbax reads only this process's shards
@@ -271,11 +274,11 @@ def read_arrays(reader: Any, path: Path, head: Head, records: Sequence[LeafRecor
         values.update(zip(names, put_all([values[n] for n in names], [puts[n] for n in names])))
     out = []
     empties, shardings = [], []
-    for rec in records:
-        struct = rec.struct()
+    for rec, name in zip(records, stored_as):
         if not rec.has_array:
             out.append(host_value(rec, None))
-        elif 0 in struct.shape:  # not in orbax: made here, placed like the others
+        elif name is None:  # empty, not in orbax: made here, placed like the others
+            struct = rec.struct()
             empty = np.zeros(struct.shape, struct.dtype)
             as_jax, sharding = placement(like.get(rec.name), struct.shape, struct.dtype)
             if as_jax:
@@ -283,7 +286,7 @@ def read_arrays(reader: Any, path: Path, head: Head, records: Sequence[LeafRecor
                 shardings.append(sharding)
             out.append(host_value(rec, empty))
         else:
-            value = values["/".join(rec.path or ("state",))]
+            value = values[name]
             out.append(value[()] if rec.kind == "npscalar" else value)
     for i, x in zip(empties, put_all([out[i] for i in empties], shardings)):
         out[i] = x
