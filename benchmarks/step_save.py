@@ -43,6 +43,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import loopkit  # noqa: E402
+from loopkit.staging import to_host, views  # noqa: E402
 from checkpoint import raw_write  # noqa: E402 - benchmarks/checkpoint.py, beside this one
 
 MB = 2**20
@@ -64,12 +65,8 @@ def frozen(s):
 
 
 def host_copy(leaves):
-    """The rewritten leaves copied to host memory, as `Session.stage_state` does."""
-    try:
-        return jax.block_until_ready(
-            [jax.device_put(x, x.sharding.with_memory_kind("pinned_host")) for x in leaves])
-    except Exception:  # noqa: BLE001 - no host memory kinds here
-        return [np.array(x) for x in leaves]
+    """The rewritten leaves copied to host memory, as `Session.stage_state` does off CPU."""
+    return jax.block_until_ready([to_host(x) for x in leaves])
 
 
 class DeviceSampler:
@@ -126,7 +123,7 @@ def strategies(step, mb: int, repeats: int) -> dict[str, float]:
     for _ in range(repeats):
         normal, (state, _) = timed(donating, state)
         # the leaves the next step rewrites (loopkit never donates the frozen ones)
-        after_save("host views held, donating step", lambda xs: [np.asarray(x) for x in xs])
+        after_save("host views held, donating step", views)
         t, (state, _) = timed(plain, state)
         out.setdefault("step without donation", []).append(t - normal)
         after_save("host copy of rewritten leaves", host_copy)
@@ -145,19 +142,15 @@ def strategies(step, mb: int, repeats: int) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in out.items()}
 
 
-def rss_kb() -> int:
+def status_kb(field: str) -> int:
+    """A memory figure of this process from /proc/self/status (VmRSS, VmHWM), in kB."""
     with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
+        return next(int(line.split()[1]) for line in f if line.startswith(field))
 
 
 def device_peak() -> int | None:
     stats = jax.local_devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
     return stats.get("peak_bytes_in_use") if stats else None
-
-
-def hwm_kb() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM"))
 
 
 def reset_hwm() -> bool:
@@ -192,14 +185,14 @@ def end_to_end(step, mb: int, repeats: int, root: Path, raw: float) -> dict[str,
     with sv.managed_session(step, init=lambda: make_state(mb)) as sess:
         run()  # compiles
         time.sleep(0.5)
-        rss0 = rss_kb()
+        rss0 = status_kb("VmRSS")
         sampler = DeviceSampler()
         while len(holds) < repeats:
             while (sess.step + 1) % every:  # up to the step that saves
                 run()
             time.sleep(space)
             reset_hwm()
-            base = hwm_kb()
+            base = status_kb("VmHWM")
             run()  # steps and saves
             save = sess.step
             action = sess.plugin_manager.get_plugin("checkpoint").blocking_secs or 0.0
@@ -208,8 +201,8 @@ def end_to_end(step, mb: int, repeats: int, root: Path, raw: float) -> dict[str,
             holds.append(times[save] - normal + times[save + 1] - normal)
             actions.append(action)
             time.sleep(space)
-            growth.append((hwm_kb() - base) / 1024)
-        resident = (rss_kb() - rss0) / 1024
+            growth.append((status_kb("VmHWM") - base) / 1024)
+        resident = (status_kb("VmRSS") - rss0) / 1024
         most = sampler.stop()
     return {"hold": statistics.median(holds[1:] or holds), "first": holds[0],
             "action": statistics.median(actions[1:] or actions),

@@ -45,10 +45,7 @@ class NanGuardPlugin:
             ) from None
         copy = getattr(value, "copy_to_host_async", None)
         if copy is not None:  # start the transfer now; it is read one step later
-            if self._guarded:
-                with jax.transfer_guard_device_to_host("allow"):
-                    copy()
-            else:
+            if not self._guarded:
                 try:
                     copy()
                 except jax.errors.JaxRuntimeError as e:
@@ -58,8 +55,9 @@ class NanGuardPlugin:
                     # jax counts this prefetch as one; the check reads with an
                     # explicit `jax.device_get`, so the guard allows it here too
                     self._guarded = True
-                    with jax.transfer_guard_device_to_host("allow"):
-                        copy()
+            if self._guarded:
+                with jax.transfer_guard_device_to_host("allow"):
+                    copy()
         pending, self._pending = self._pending, (step, value)
         if pending is not None:
             self._check(*pending)
