@@ -269,11 +269,6 @@ def _weak(x: jax.Array) -> jax.Array:
     return jax.jit(lambda y: y).lower(weak).compile()(x)
 
 
-def put(arr: np.ndarray, sharding: Any) -> jax.Array:
-    """``arr`` as a jax array with ``sharding`` (None: the default device)."""
-    return put_all([arr], [sharding])[0]
-
-
 def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """An uninitialised array whose data starts on a 64-byte boundary.
 

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from loopkit.errors import CheckpointError
-from loopkit.plugins.leaf_records import dtype_from_name, like_leaves, nest, placement, put
+from loopkit.plugins.leaf_records import dtype_from_name, like_leaves, nest, placement, put_all
 
 __all__ = ["SafetensorsCheckpoint"]
 
@@ -116,11 +116,17 @@ class SafetensorsCheckpoint:
 
         values = self.restore_leaves(step, list(self._tensors()))
         want = like_leaves(like)
-        records, leaves = [], []
+        records, leaves, placed, shardings = [], [], [], []
         for p, arr in values.items():
             as_jax, sharding = placement(want.get(p), arr.shape, arr.dtype)
+            if as_jax:
+                placed.append(len(leaves))
+                shardings.append(sharding)
             records.append(tuple(p.split("/")))
-            leaves.append(put(np.asarray(arr), sharding) if as_jax else arr)
+            leaves.append(arr)
+        # placed in one batch: a device_put per tensor adds up over thousands
+        for i, x in zip(placed, put_all([np.asarray(leaves[i]) for i in placed], shardings)):
+            leaves[i] = x
         state = nest(records, leaves)
         return (state if like is None else conform(state, like)), {}
 
