@@ -38,7 +38,7 @@ from loopkit.plugins.checkpoint_helpers import (
 from loopkit.plugins.checkpoint_ledger import Ledger
 from loopkit.plugins.checkpoint_replicas import agree_to_save, host_copies
 from loopkit.plugins.checkpoint_restore import find_restorable
-from loopkit.plugins.checkpoint_state import CheckpointState, encode_position
+from loopkit.plugins.checkpoint_state import CheckpointState, checkpoint_path, encode_position
 
 __all__ = [
     "BUILTIN_BACKENDS",
@@ -180,7 +180,7 @@ class CheckpointPlugin:
 
     def _path(self, step: int) -> str:
         assert self.ledger is not None
-        return str(storage.join(self.ledger.logdir, f"{self.config.checkpoint_basename}-{step}"))
+        return checkpoint_path(self.ledger.logdir, self.config.checkpoint_basename, step)
 
     # -- recovery ----------------------------------------------------------------------
 

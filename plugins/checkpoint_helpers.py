@@ -15,7 +15,7 @@ import jax
 
 from loopkit import storage
 from loopkit.plugins.checkpoint_locate import backends, basename_of, locate, recoverable
-from loopkit.plugins.checkpoint_state import read_state
+from loopkit.plugins.checkpoint_state import checkpoint_path, read_state
 from loopkit.pytree import check_matches, conform
 
 __all__ = [
@@ -74,7 +74,7 @@ def latest_checkpoint(logdir: str | os.PathLike[str], *,
 
 def _latest(logdir: Path | str, base: str, group: Any) -> tuple[int, str] | None:
     step = recoverable(logdir, group.steps(), base)
-    return None if step is None else (step, str(storage.join(logdir, f"{base}-{step}")))
+    return None if step is None else (step, checkpoint_path(logdir, base, step))
 
 
 def load_checkpoint(logdir_or_path: str | os.PathLike[str], like: PyTree = None) -> PyTree:

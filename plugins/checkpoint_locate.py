@@ -16,7 +16,9 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from loopkit import storage
-from loopkit.plugins.checkpoint_state import DEFAULT_BASENAME, read_state, recovery_order
+from loopkit.plugins.checkpoint_state import (
+    DEFAULT_BASENAME, checkpoint_path, read_state, recovery_order,
+)
 
 __all__ = ["Backends", "FORMATS", "Located", "locate"]
 
@@ -104,7 +106,7 @@ def _in_logdir(directory: Path | str, basename: str, step: int | None) -> Locate
     group.close(keep=backend)
     if backend is None:
         return None
-    return Located(backend, step, str(storage.join(directory, f"{basename}-{step}")))
+    return Located(backend, step, checkpoint_path(directory, basename, step))
 
 
 def _manager_item(step_dir: Path) -> Path | None:

@@ -19,6 +19,7 @@ from loopkit import storage
 
 __all__ = [
     "CheckpointState",
+    "checkpoint_path",
     "decode_position",
     "encode_position",
     "on_disk",
@@ -62,6 +63,11 @@ class CheckpointState:
         if self.last_preserved_timestamp is not None:
             lines.append(f"last_preserved_timestamp: {self.last_preserved_timestamp!r}")
         return "\n".join(lines) + "\n"
+
+
+def checkpoint_path(directory: str | os.PathLike[str], basename: str, step: int) -> str:
+    """Where the checkpoint of `step` is named: ``<directory>/<basename>-<step>`` (a path or URL)."""
+    return str(storage.join(directory, f"{basename}-{step}"))
 
 
 def split_name(name: str) -> tuple[str, int] | None:
