@@ -7,9 +7,15 @@ import copy
 import logging
 from typing import Any, Callable, Iterator
 
-__all__ = ["Input", "Lookahead", "make_input"]
+__all__ = ["Input", "Lookahead", "make_input", "snapshot_state"]
 
 log = logging.getLogger("loopkit")
+
+
+def snapshot_state(source: Any) -> Any:
+    """A stateful iterator's position now: a copy, since an iterator may hand out its
+    live state and change it on the next `next()`."""
+    return copy.deepcopy(source.get_state())
 
 
 def is_stateful(obj: Any) -> bool:
@@ -63,7 +69,7 @@ class Lookahead:
         self._source = None
         if inp.kind == "stateful" and getattr(inp.position, "__self__", None) is inp:
             self._source = inp.source
-            self._last = copy.deepcopy(inp.source.get_state())
+            self._last = snapshot_state(inp.source)
             inp.position = self.position
 
     def __iter__(self) -> Lookahead:
@@ -87,8 +93,7 @@ class Lookahead:
             except StopIteration:
                 self._ended = True
                 break
-            # a copy: an iterator may hand out its live state and change it on next()
-            buf.append(batch if source is None else (batch, copy.deepcopy(source.get_state())))
+            buf.append(batch if source is None else (batch, snapshot_state(source)))
         return len(buf)
 
     def position(self, step: int) -> Any:

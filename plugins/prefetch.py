@@ -20,7 +20,6 @@ transform, no `data_sharding`) are left to the loop: see `_in_memory`.
 from __future__ import annotations
 
 import collections
-import copy
 import itertools
 import threading
 import time
@@ -31,6 +30,7 @@ import numpy as np
 
 from loopkit.config import Config
 from loopkit.coordinator import add_note, has_origin
+from loopkit.data import snapshot_state
 from loopkit.hookspec import hookimpl
 
 INACTIVE = "Config.prefetch is 0 and neither data_transform nor data_sharding is set"
@@ -293,5 +293,4 @@ class Feed:
             self.cv.notify_all()
 
     def _state(self) -> Any:
-        # a copy: an iterator may hand out its live state and change it on next()
-        return copy.deepcopy(self.source.get_state())
+        return snapshot_state(self.source)
