@@ -108,11 +108,10 @@ class IntervalMean:
         count = packed[n - 1]
         if count == 0:
             return {}
-        fresh = self._zeros()
-        if self.latest:  # the sums start again; the latest values stay
-            fresh = (jnp.asarray(np.concatenate([np.zeros(n, packed.dtype), packed[n:]])),
-                     fresh[1])
-        self.carry.value = fresh
+        head = np.zeros_like(packed)
+        head[n:] = packed[n:]  # the sums start again; the latest values (if any) stay
+        self.carry.value = (jnp.asarray(head),
+                            {k: jnp.zeros(s.shape, s.dtype) for k, s in self._like[1].items()})
         means: dict[str, Any] = {k: float(s / count) for k, s in zip(self.scalars, packed)}
         means.update({k: a / count for k, a in arrays.items()})
         return means
