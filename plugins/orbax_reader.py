@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -50,6 +50,9 @@ def is_orbax_tree(path: Path) -> bool:
     return path.is_dir() and (path / "_METADATA").is_file()
 
 
+_LEAF_TYPES = (np.ndarray, np.generic, bool, int, float, complex, str, bytes)
+
+
 def sequence_nodes(state: Any) -> list[dict]:
     """``{"path", "length"}`` of each node of ``state`` that orbax stores as a sequence."""
     import jax
@@ -58,8 +61,11 @@ def sequence_nodes(state: Any) -> list[dict]:
     from loopkit.pytree import leaf_path
 
     found: dict[tuple[str, ...], int] = {}
+    leaf_types = (jax.Array, *_LEAF_TYPES)
 
     def walk(node: Any, prefix: tuple[str, ...]) -> None:
+        if node is None or isinstance(node, leaf_types):
+            return  # always a leaf (and asking jax costs 15 us a leaf)
         children, _ = jax.tree_util.tree_flatten_with_path(
             node, is_leaf=lambda x: x is not node or x is None)
         if not children or children[0][0] == ():
@@ -171,10 +177,13 @@ def _lookup(tree: Any, path: Sequence[str]) -> Any:
 
 
 _DIRECT_TYPES = ("np.ndarray", "jax.Array")  # orbax value types stored as one zarr array
+_BATCH_LEAVES, _BATCH_BYTES = 256, 64 << 20  # `read_direct` places arrays in batches this big
 _NAME = "@loopkit-array-name@"
 
 
-def read_direct(path: Path, wanted: dict[str, tuple[str, ...]]) -> dict[str, np.ndarray]:
+def read_direct(path: Path, wanted: dict[str, tuple[str, ...]],
+                place: Callable[[list[str], list[np.ndarray]], list[Any]] | None = None,
+                ) -> dict[str, Any]:
     """Whole arrays of ``wanted`` (name -> stored path) read with tensorstore alone.
 
     The same zarr arrays orbax's restore reads, through orbax's own read specs, but
@@ -182,7 +191,10 @@ def read_direct(path: Path, wanted: dict[str, tuple[str, ...]]) -> dict[str, np.
     adopts: orbax's restore adds per-array Python (tree metadata, partial-restore
     trimming) and a copy out of tensorstore's buffers, most of a restore's time
     (benchmarks/README.md). Leaves orbax stores otherwise are left out, for
-    orbax's restore.
+    orbax's restore. ``place(names, arrays)``, if given, turns each batch of arrays
+    read into what is returned for them (jax arrays), while the later reads are
+    still under way: with thousands of leaves the placement's Python is as long as
+    the reads.
     """
     import tensorstore as ts
     import orbax.checkpoint as ocp
@@ -204,26 +216,40 @@ def read_direct(path: Path, wanted: dict[str, tuple[str, ...]]) -> dict[str, np.
     # orbax's cache of OCDBT tree nodes (not of array data): each array's reads look
     # their keys up in the same tree (a cold restore of 16 leaves measured 20% faster)
     context = ts.Context({"cache_pool#ocdbt": {"total_bytes_limit": 100_000_000}})
-    # orbax's spec for one placeholder name, filled in per array: building each
-    # one through orbax costs more than opening it (0.1 ms of Python per array)
+    # orbax's spec for one placeholder name, without its array's path: one spec and
+    # one open database for every array (a spec per array costs more than the open)
     spec = ocp.type_handlers.get_json_tspec_read(ocp.type_handlers.ParamInfo(
         name=_NAME, parent_dir=epath.Path(path), is_ocdbt_checkpoint=ocdbt,
         use_zarr3=use_zarr3, ts_context=context), use_ocdbt=ocdbt)
-    kvstore = spec.get("kvstore")
-    if not (isinstance(kvstore, dict) and _NAME in str(kvstore.get("path"))):
+    kvstore = spec.pop("kvstore", None)
+    where = kvstore.get("path") if isinstance(kvstore, dict) else None
+    if not (isinstance(where, str) and where.rstrip("/").endswith(_NAME)):
         return {}  # a spec not seen here: orbax reads it
     try:
-        opening = [ts.open({**spec, "kvstore": {
-            **kvstore, "path": kvstore["path"].replace(_NAME, ".".join(wanted[n]))}},
-            context=context, open=True, read=True) for n in names]
-        stores = [f.result() for f in opening]
-        out = [aligned_empty(tuple(s.shape), np.dtype(s.dtype.numpy_dtype)) for s in stores]
-        copies = [ts.array(a, copy=False, write=True).write(s) for a, s in zip(out, stores)]
-        for c in copies:
-            c.result()
+        store = ts.KvStore.open({**kvstore, "path": where.rstrip("/")[:-len(_NAME)]},
+                                context=context).result()
+        base = ts.Spec(spec)
+        opening = [ts.open(base, kvstore=store / (".".join(wanted[n]) + "/"), context=context,
+                           open=True, read=True) for n in names]
+        reads = []  # each read starts as soon as its array is open
+        for opened in opening:
+            array = opened.result()
+            out = aligned_empty(tuple(array.shape), np.dtype(array.dtype.numpy_dtype))
+            reads.append((out, ts.array(out, copy=False, write=True).write(array)))
+        values: dict[str, Any] = {}
+        batch: list[int] = []
+        for i, (out, read) in enumerate(reads):
+            read.result()
+            batch.append(i)
+            if i + 1 == len(reads) or sum(reads[j][0].nbytes for j in batch) >= _BATCH_BYTES \
+                    or len(batch) >= _BATCH_LEAVES:
+                done = [reads[j][0] for j in batch]
+                values.update(zip([names[j] for j in batch],
+                                  place([names[j] for j in batch], done) if place else done))
+                batch = []
     except Exception as e:
         raise CheckpointError(f"checkpoint {path} cannot be read: {e}") from e
-    return dict(zip(names, out))
+    return values
 
 
 def read_arrays(reader: Any, path: Path, head: Head, records: Sequence[LeafRecord],
@@ -257,7 +283,15 @@ def read_arrays(reader: Any, path: Path, head: Head, records: Sequence[LeafRecor
             args[name] = ocp.RestoreArgs(restore_type=np.ndarray)
             if as_jax:
                 puts[name] = sharding
-    values = read_direct(path, host)
+    def place(names: list[str], arrays: list[Any]) -> list[Any]:
+        """The arrays of a batch that go to a device, placed in one call (one per leaf adds up)."""
+        mine = [i for i, n in enumerate(names) if n in puts]
+        for i, x in zip(mine, put_all([arrays[i] for i in mine], [puts[names[i]] for i in mine])):
+            arrays[i] = x
+        return arrays
+
+    values = read_direct(path, host, place)
+    placed = set(values)
     rest = [p for n, p in stored.items() if n not in values]
     if rest:
         # A partial restore with the stored structure as target: exact for what it
@@ -269,8 +303,8 @@ def read_arrays(reader: Any, path: Path, head: Head, records: Sequence[LeafRecor
         except Exception as e:
             raise CheckpointError(f"checkpoint {path} cannot be read: {e}") from e
         values.update({"/".join(p): _lookup(tree, p) for p in rest})
-    if puts:
-        names = list(puts)  # placed in one batch: a device_put per leaf adds up
+    names = [n for n in puts if n not in placed]  # read by orbax
+    if names:
         values.update(zip(names, put_all([values[n] for n in names], [puts[n] for n in names])))
     out = []
     empties, shardings = [], []
