@@ -58,7 +58,7 @@ _READERS = min(4, os.cpu_count() or 1)  # threads reading members at once (more 
 
 from loopkit.plugins.leaf_records import (  # noqa: E402
     LeafRecord, aligned_empty, dtype_from_name, finish, host_value, leaf_records, like_leaves,
-    nest, placement, put_all, read_records, remove_stale, saving_lock,
+    nest, placement, put_all, quick_switching, read_records, remove_stale, saving_lock,
 )
 
 
@@ -120,7 +120,7 @@ class NpzBackend:
         self.directory.mkdir(parents=True, exist_ok=True)
         final = self.path(step)
         tmp = final.with_name(f".{final.name}.tmp-{socket.gethostname()}-{os.getpid()}")
-        with saving_lock(self.directory):
+        with saving_lock(self.directory), quick_switching():
             try:
                 with open(tmp, "wb") as f:
                     headers: dict[tuple, bytes] = {}
@@ -208,7 +208,7 @@ class NpzBackend:
     def restore(self, step: int, like: Any = None) -> tuple[Any, dict]:
         """The state of ``step`` as stored (placed like ``like`` where shapes match), and its metadata."""
         want = like_leaves(like)
-        with self._open(step) as (reader, head, records):
+        with quick_switching(), self._open(step) as (reader, head, records):
             # several members at once: reading and checking each is mostly outside the GIL
             # in a few tasks, not one per leaf: a task costs tens of µs
             tasks = min(len(records), 4 * _READERS)

@@ -70,7 +70,7 @@ from loopkit import storage
 from loopkit.errors import CheckpointError
 from loopkit.fs import fsync_dir, fsync_tree
 from loopkit.plugins.leaf_records import (
-    leaf_records, remove_stale, saving_lock,
+    leaf_records, quick_switching, remove_stale, saving_lock,
 )
 from loopkit.plugins.orbax_reader import (
     HEAD_KEY as _KEY, VERSION as _VERSION, Head, read_head, restore_some, restore_state,
@@ -224,7 +224,7 @@ class OrbaxBackend:
         import orbax.checkpoint as ocp
 
         try:
-            with saving_lock(self.directory):
+            with saving_lock(self.directory), quick_switching():
                 trash = final.with_name(f".{final.name}.replaced")
                 if self._primary and final.exists():
                     # Replacing a step: move the old one aside (atomically: a reader
@@ -314,7 +314,8 @@ class OrbaxBackend:
         """The state of ``step`` as stored (placed like ``like`` where shapes match), and its metadata."""
         if self._pending == step:
             self.wait()
-        return restore_state(self._reader, self.path(step), self._head(step), like)
+        with quick_switching():
+            return restore_state(self._reader, self.path(step), self._head(step), like)
 
     def structure(self, step: int) -> dict[str, Any]:
         """Leaf path -> shape and dtype of every leaf of ``step``, without reading array data."""
