@@ -112,6 +112,7 @@ class _Writes:
             raise error
 
 
+@functools.cache
 def _numpy_handler_class() -> type:
     import orbax.checkpoint as ocp
 
