@@ -27,6 +27,7 @@ import os
 import re
 import socket
 import struct
+import threading
 import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
@@ -270,6 +271,11 @@ class _Reader:
             self._file.close()
             raise
         self._headers: dict[bytes, tuple[tuple[int, ...], bool, np.dtype]] = {}
+        # numpy parses a header with `ast`, which CPython 3.11 (3.11.7 here) can break
+        # when threads switch inside it, more often at the short switch interval of
+        # checkpoint I/O ("AST constructor recursion depth mismatch", cpython#106905):
+        # one reader thread parses at a time
+        self._parsing = threading.Lock()
 
     def __enter__(self) -> _Reader:
         return self
@@ -305,12 +311,13 @@ class _Reader:
             header = _pread(fd, header_len, at + 8 + size_len)
         parsed = self._headers.get(header)
         if parsed is None:
-            read_header = (np.lib.format.read_array_header_1_0 if magic[6] == 1
-                           else np.lib.format.read_array_header_2_0)
-            parsed = read_header(io.BytesIO(size_bytes + header))
-            if parsed[2].hasobject:
-                raise ValueError(f"member {member!r} holds Python objects (never unpickled)")
-            self._headers[header] = parsed
+            with self._parsing:
+                read_header = (np.lib.format.read_array_header_1_0 if magic[6] == 1
+                               else np.lib.format.read_array_header_2_0)
+                parsed = read_header(io.BytesIO(size_bytes + header))
+                if parsed[2].hasobject:
+                    raise ValueError(f"member {member!r} holds Python objects (never unpickled)")
+                self._headers[header] = parsed
         shape, fortran, dtype = parsed
         arr = aligned_empty(shape[::-1] if fortran else shape, dtype)
         data = memoryview(arr.reshape(-1).view(np.uint8))

@@ -323,4 +323,5 @@ class OrbaxBackend:
 
     def restore_leaves(self, step: int, paths: Sequence[str]) -> dict[str, Any]:
         """Read only the leaves at ``paths`` (orbax partial restore)."""
-        return restore_some(self._reader, self.path(step), self._head(step), paths)
+        with quick_switching():
+            return restore_some(self._reader, self.path(step), self._head(step), paths)

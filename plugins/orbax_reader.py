@@ -28,7 +28,7 @@ from loopkit.plugins.leaf_records import (
 )
 
 __all__ = ["Head", "OrbaxCheckpoint", "is_orbax_tree", "read_arrays", "read_head",
-           "restore_some", "restore_state", "structure_of"]
+           "restore_some", "restore_state", "split_kvstore", "structure_of"]
 
 HEAD_KEY = "loopkit"
 VERSION = 2
@@ -181,6 +181,17 @@ _BATCH_LEAVES, _BATCH_BYTES = 256, 64 << 20  # `read_direct` places arrays in ba
 _NAME = "@loopkit-array-name@"
 
 
+def split_kvstore(spec: dict, name: str) -> tuple[dict, dict] | None:
+    """orbax's tensorstore ``spec`` for the array ``name``: (the spec without its kvstore,
+    the kvstore of the whole checkpoint); None for a spec not seen here."""
+    spec = dict(spec)
+    kvstore = spec.pop("kvstore", None)
+    path = kvstore.get("path") if isinstance(kvstore, dict) else None
+    if not (isinstance(path, str) and path.rstrip("/").endswith(name)):
+        return None
+    return spec, {**kvstore, "path": path.rstrip("/")[:-len(name)]}
+
+
 def read_direct(path: Path, wanted: dict[str, tuple[str, ...]],
                 place: Callable[[list[str], list[np.ndarray]], list[Any]] | None = None,
                 ) -> dict[str, Any]:
@@ -221,14 +232,12 @@ def read_direct(path: Path, wanted: dict[str, tuple[str, ...]],
     spec = ocp.type_handlers.get_json_tspec_read(ocp.type_handlers.ParamInfo(
         name=_NAME, parent_dir=epath.Path(path), is_ocdbt_checkpoint=ocdbt,
         use_zarr3=use_zarr3, ts_context=context), use_ocdbt=ocdbt)
-    kvstore = spec.pop("kvstore", None)
-    where = kvstore.get("path") if isinstance(kvstore, dict) else None
-    if not (isinstance(where, str) and where.rstrip("/").endswith(_NAME)):
+    split = split_kvstore(spec, _NAME)
+    if split is None:
         return {}  # a spec not seen here: orbax reads it
     try:
-        store = ts.KvStore.open({**kvstore, "path": where.rstrip("/")[:-len(_NAME)]},
-                                context=context).result()
-        base = ts.Spec(spec)
+        store = ts.KvStore.open(split[1], context=context).result()
+        base = ts.Spec(split[0])
         opening = [ts.open(base, kvstore=store / (".".join(wanted[n]) + "/"), context=context,
                            open=True, read=True) for n in names]
         reads = []  # each read starts as soon as its array is open
@@ -236,19 +245,23 @@ def read_direct(path: Path, wanted: dict[str, tuple[str, ...]],
             array = opened.result()
             out = aligned_empty(tuple(array.shape), np.dtype(array.dtype.numpy_dtype))
             reads.append((out, ts.array(out, copy=False, write=True).write(array)))
-        values: dict[str, Any] = {}
-        batch: list[int] = []
-        for i, (out, read) in enumerate(reads):
-            read.result()
-            batch.append(i)
-            if i + 1 == len(reads) or sum(reads[j][0].nbytes for j in batch) >= _BATCH_BYTES \
-                    or len(batch) >= _BATCH_LEAVES:
-                done = [reads[j][0] for j in batch]
-                values.update(zip([names[j] for j in batch],
-                                  place([names[j] for j in batch], done) if place else done))
-                batch = []
     except Exception as e:
         raise CheckpointError(f"checkpoint {path} cannot be read: {e}") from e
+    values: dict[str, Any] = {}
+    batch: list[int] = []
+    size = 0
+    for i, (out, read) in enumerate(reads):
+        try:
+            read.result()
+        except Exception as e:
+            raise CheckpointError(f"checkpoint {path} cannot be read: {e}") from e
+        batch.append(i)
+        size += out.nbytes
+        if i + 1 == len(reads) or size >= _BATCH_BYTES or len(batch) >= _BATCH_LEAVES:
+            done = [reads[j][0] for j in batch]
+            values.update(zip([names[j] for j in batch],
+                              place([names[j] for j in batch], done) if place else done))
+            batch, size = [], 0
     return values
 
 

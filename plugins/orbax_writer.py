@@ -29,6 +29,8 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
+from loopkit.plugins.orbax_reader import split_kvstore
+
 __all__ = ["Saver"]
 
 
@@ -43,6 +45,10 @@ class Saver:
     def __init__(self, **options: Any) -> None:
         import orbax.checkpoint as ocp
 
+        primary = getattr(options.get("multiprocessing_options"), "primary_host", 0)
+        if primary not in (0, None):  # process 0 writes numpy arrays; the primary joins them
+            raise ValueError(f"primary_host must be 0 (process 0 writes numpy arrays), "
+                             f"not {primary}")
         self._writes = _Writes()
         th = ocp.type_handlers
         # The save thread owns the arrays it hands to orbax (numpy leaves were copied
@@ -60,56 +66,77 @@ class Saver:
 
     def abandon(self) -> None:
         """Wait for the writes of a failed save; their errors are dropped (the save failed)."""
-        try:
-            self._writes.join()
-        except Exception:  # noqa: BLE001 - the save's own error is the one raised
-            pass
+        self._writes.abandon()
 
 
 class _Writes:
-    """The array writes of the save in flight (one at a time, as the backend saves)."""
+    """The array writes of the save in flight (one save at a time, as the backend saves).
+
+    A save that failed is abandoned: its generation ends, and a batch of it that had
+    not begun its writes yet (another handler's failure can end a save while this
+    one's batch is still being prepared) writes nothing.
+    """
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._cv = threading.Condition()
         self._futures: list[Any] = []
+        self._starting = 0  # `start` calls under way
+        self._generation = 0
 
-    def start(self, jobs: list[tuple[tuple[Any, dict, Any], str, np.ndarray]]) -> None:
+    def generation(self) -> int:
+        with self._cv:
+            return self._generation
+
+    def start(self, generation: int, jobs: list[tuple[tuple[Any, dict, Any], str, Any]]) -> None:
         """Open every array (all at once) and start its write; return once all are started."""
         import tensorstore as ts
 
-        stores: dict[tuple[str, int], Any] = {}
-        opening = []
-        for (spec, kvstore, context), name, _ in jobs:
-            key = (json.dumps(kvstore, sort_keys=True), id(context))
-            store = stores.get(key)
-            if store is None:
-                store = stores[key] = ts.KvStore.open(kvstore, context=context).result()
-            opening.append(ts.open(spec, kvstore=store / f"{name}/", create=True, open=True,
-                                   context=context))
-        futures: list[Any] = []
+        with self._cv:
+            if generation != self._generation:
+                return  # its save was abandoned
+            self._starting += 1
+        futures: list[Any] = []  # every tensorstore operation begun, for `join`
         try:
-            for future, (_, _, value) in zip(opening, jobs):
-                futures.append(future.result().write(
-                    value, can_reference_source_data_indefinitely=True))
-        except BaseException:
-            futures.extend(opening[len(futures):])  # waited for with the writes
-            raise
+            stores: dict[tuple[str, int], Any] = {}
+            opening = []
+            for (spec, kvstore, context), name, _ in jobs:
+                key = (json.dumps(kvstore, sort_keys=True), id(context))
+                if key not in stores:
+                    stores[key] = ts.KvStore.open(kvstore, context=context).result()
+                opening.append(ts.open(spec, kvstore=stores[key] / f"{name}/", create=True,
+                                       open=True, context=context))
+            futures.extend(opening)
+            for i, (future, (_, _, value)) in enumerate(zip(opening, jobs)):
+                futures[i] = future.result().write(
+                    value, can_reference_source_data_indefinitely=True)
         finally:
-            with self._lock:
+            with self._cv:
                 self._futures.extend(futures)
+                self._starting -= 1
+                self._cv.notify_all()
 
     def join(self) -> None:
         """Wait for every write started; raise the first error once all have ended."""
-        with self._lock:
+        with self._cv:
+            self._cv.wait_for(lambda: not self._starting)
             futures, self._futures = self._futures, []
-        error = None
+        error: BaseException | None = None
         for future in futures:
             try:
                 future.result()
-            except Exception as e:  # noqa: BLE001 - the first is raised after the rest end
+            except BaseException as e:  # noqa: BLE001 - the first is raised after the rest end
                 error = error or e
         if error is not None:
             raise error
+
+    def abandon(self) -> None:
+        """End the save's generation, then wait for what it began; its errors are dropped."""
+        with self._cv:
+            self._generation += 1
+        try:
+            self.join()
+        except Exception:  # noqa: BLE001 - the save's own error is the one raised
+            pass
 
 
 @functools.cache
@@ -122,6 +149,12 @@ def _numpy_handler_class() -> type:
         def __init__(self, writes: _Writes) -> None:
             super().__init__(deepcopy_host_arrays=False)
             self._writes = writes
+            self._generation = 0
+
+        async def serialize(self, values: Sequence[np.ndarray], infos: Sequence[Any],
+                            args: Sequence[Any] | None = None) -> Any:
+            self._generation = self._writes.generation()  # before anything can fail
+            return await super().serialize(values, infos, args)
 
         async def _background_serialize(self, values: Sequence[np.ndarray],
                                         infos: Sequence[Any],
@@ -135,7 +168,8 @@ def _numpy_handler_class() -> type:
             groups: dict[tuple, tuple[Any, dict, Any] | None] = {}
             jobs = []
             for value, info, arg in zip(values, infos, args):
-                key = (value.shape, value.dtype.str, repr(arg), info.use_compression,
+                # the dtype itself: int4, uint4 and float8_e4m3fn all have the str '<V1'
+                key = (value.shape, value.dtype, repr(arg), info.use_compression,
                        info.use_zarr3, info.is_ocdbt_checkpoint,
                        info.ocdbt_target_data_file_size, id(info.ts_context))
                 if key not in groups:
@@ -144,7 +178,7 @@ def _numpy_handler_class() -> type:
                 if group is None:  # a spec not seen here: orbax writes the batch itself
                     return await super()._background_serialize(values, infos, args)
                 jobs.append((group, info.name, value))
-            await asyncio.to_thread(self._writes.start, jobs)
+            await asyncio.to_thread(self._writes.start, self._generation, jobs)
 
     return BatchedNumpyHandler
 
@@ -159,12 +193,8 @@ def _group_spec(info: Any, value: np.ndarray, arg: Any) -> tuple[Any, dict, Any]
         local_shape=value.shape, dtype=value.dtype,
         process_index=ocp.multihost.process_index() if info.is_ocdbt_checkpoint else None,
         arg=arg)
-    kvstore = spec.pop("kvstore", None)
-    path = kvstore.get("path") if isinstance(kvstore, dict) else None
-    if not (isinstance(path, str) and path.rstrip("/").endswith(info.name)):
-        return None
-    base = path.rstrip("/")[:-len(info.name)]
-    return ts.Spec(spec), {**kvstore, "path": base}, info.ts_context
+    split = split_kvstore(spec, info.name)
+    return None if split is None else (ts.Spec(split[0]), split[1], info.ts_context)
 
 
 @functools.cache

@@ -1,4 +1,4 @@
-"""The orbax backend's batched array writer: orbax's own bytes, thousands of leaves, errors surfaced."""
+"""The orbax backend's batched writer: orbax's own bytes, thousands of leaves, errors surfaced."""
 
 from __future__ import annotations
 
@@ -49,6 +49,24 @@ def test_the_batched_writer_stores_byte_for_byte_what_orbax_itself_stores(tmp_pa
     for want, got in zip(jax.tree.leaves(state["layers"]), jax.tree.leaves(plain["layers"])):
         assert got.dtype == want.dtype and got.shape == want.shape
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_dtypes_numpy_names_alike_are_stored_each_as_itself(tmp_path):
+    # int4 and float8_e4m3fn both have the dtype string '<V1' (tensorstore has no uint4)
+    state = {"a": jnp.asarray([1, 2, -3, 0], jnp.int4),
+             "b": jnp.asarray([1.5, 2.5, -3, 0.25], jnp.float8_e4m3fn)}
+    backend = OrbaxBackend(tmp_path)
+    backend.save(1, state, {})
+    backend.wait()
+    got, _ = backend.restore(1, state)
+    backend.close()
+    with ocp.StandardCheckpointer() as ck:
+        plain = ck.restore(backend.path(1), jax.eval_shape(lambda: state))
+    for restored in (got, plain):
+        for key, want in state.items():
+            assert restored[key].dtype == want.dtype, key
+            np.testing.assert_array_equal(np.asarray(restored[key], np.float32),
+                                          np.asarray(want, np.float32))
 
 
 def test_thousands_of_leaves_restore_exactly_through_loopkit(tmp_path):
