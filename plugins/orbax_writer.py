@@ -87,7 +87,7 @@ class _Writes:
         with self._cv:
             return self._generation
 
-    def start(self, generation: int, jobs: list[tuple[tuple[Any, dict, Any], str, Any]]) -> None:
+    def start(self, generation: int, jobs: list[tuple[tuple, str, Any]]) -> None:
         """Open every array (all at once) and start its write; return once all are started."""
         import tensorstore as ts
 
@@ -99,8 +99,8 @@ class _Writes:
         try:
             stores: dict[tuple[str, int], Any] = {}
             opening = []
-            for (spec, kvstore, context), name, _ in jobs:
-                key = (json.dumps(kvstore, sort_keys=True), id(context))
+            for (spec, kvstore, where, context), name, _ in jobs:
+                key = (where, id(context))
                 if key not in stores:
                     stores[key] = ts.KvStore.open(kvstore, context=context).result()
                 opening.append(ts.open(spec, kvstore=stores[key] / f"{name}/", create=True,
@@ -165,7 +165,7 @@ def _numpy_handler_class() -> type:
             # orbax gives one handler's arrays one parent directory (ParamInfo's contract)
             await infos[0].await_path_creation()
             parent = infos[0].parent_dir
-            groups: dict[tuple, tuple[Any, dict, Any] | None] = {}
+            groups: dict[tuple, tuple[Any, dict, str, Any] | None] = {}
             jobs = []
             for value, info, arg in zip(values, infos, args):
                 # the dtype itself: int4, uint4 and float8_e4m3fn all have the str '<V1'
@@ -183,7 +183,7 @@ def _numpy_handler_class() -> type:
     return BatchedNumpyHandler
 
 
-def _group_spec(info: Any, value: np.ndarray, arg: Any) -> tuple[Any, dict, Any] | None:
+def _group_spec(info: Any, value: np.ndarray, arg: Any) -> tuple[Any, dict, str, Any] | None:
     """orbax's write spec for ``info`` without the array's path, and the kvstore it names."""
     import orbax.checkpoint as ocp
     import tensorstore as ts
@@ -194,7 +194,10 @@ def _group_spec(info: Any, value: np.ndarray, arg: Any) -> tuple[Any, dict, Any]
         process_index=ocp.multihost.process_index() if info.is_ocdbt_checkpoint else None,
         arg=arg)
     split = split_kvstore(spec, info.name)
-    return None if split is None else (ts.Spec(split[0]), split[1], info.ts_context)
+    if split is None:
+        return None
+    # (the kvstore as JSON too: groups of one database open it once, in `_Writes.start`)
+    return ts.Spec(split[0]), split[1], json.dumps(split[1], sort_keys=True), info.ts_context
 
 
 @functools.cache
