@@ -17,7 +17,7 @@ import numpy as np
 
 from loopkit.pytree import is_key
 
-__all__ = ["Spare", "Staged", "aval", "to_host", "views", "views_protect"]
+__all__ = ["Spare", "Staged", "aval", "copied", "to_host", "views", "views_protect"]
 
 log = logging.getLogger("loopkit")
 
@@ -62,6 +62,11 @@ def views(leaves: Sequence[Any]) -> list[np.ndarray]:
                 x = jax.random.key_data(x)  # the key's own buffer
             out.extend(np.asarray(s.data) for s in x.addressable_shards)
     return out
+
+
+def copied(arrays: Sequence[jax.Array]) -> list[jax.Array]:
+    """Copies of ``arrays`` where they are, committed as they are, in one batch."""
+    return jax.device_put(list(arrays), may_alias=False)
 
 
 def to_host(x: Any) -> Any:
@@ -116,13 +121,13 @@ class Spare:
             generation = self._generation
             entry = self._readers.setdefault(key, [part, 0])
             entry[1] += 1
-        done = threading.Event()
+        done = [False]
 
         def release() -> None:
-            if done.is_set():
-                return
-            done.set()
             with self._lock:
+                if done[0]:
+                    return
+                done[0] = True
                 entry[1] -= 1
                 if entry[1] == 0 and self._readers.get(key) is entry:
                     del self._readers[key]

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from loopkit.carry import CarriedMetrics, attach, first_values, update_all
-from loopkit.staging import Spare, Staged, aval, to_host, views, views_protect
+from loopkit.staging import Spare, Staged, aval, copied, to_host, views, views_protect
 
 if TYPE_CHECKING:
     from loopkit.carry import StepCarry
@@ -164,22 +164,25 @@ class CompiledStep:
             return Staged(state, None)  # the next call donates nothing
         donated = self._donated_leaves()
         if self._spare is not None:
-            return self._stage_in_place(state, tuple(donated), self._spare, ahead)
+            staged = self._stage_in_place(state, tuple(donated), self._spare, ahead)
+            if staged is not None:
+                return staged
         return Staged(self._swap(state, donated, [to_host(x) for x in donated]), None)
 
     def _stage_in_place(self, state: PyTree, part: tuple, spare: Spare,
-                        ahead: bool) -> Staged:
+                        ahead: bool) -> Staged | None:
         """CPU: the saver reads `part` itself and the next step writes into a spare, or
-        the saver reads a copy of `part`, which becomes a spare once released."""
+        the saver reads a copy of `part`, which becomes a spare once released; None
+        after a state set from outside (split at the next call): `part` is copied."""
         steady = self._pending is _UNSET and self.call is self._normal
         if steady and spare.take(part):
             self.call = self._spare_call
         if spare.next is not None:  # the next call writes into a spare: `part` is safe
             return Staged(state, None, spare.releaser(part))
-        if not steady:  # a state set from outside, split at the next call: copied
-            return Staged(self._swap(state, part, [to_host(x) for x in part]), None)
+        if not steady:
+            return None
         # each leaf where it is, committed as it is: the spare variant's signature
-        copies = tuple(jax.device_put(list(part), may_alias=False))
+        copies = tuple(copied(part))
         if ahead and not spare.compiling:
             args = (jax.tree.map(aval, self.live), tuple(aval(x) for x in part),
                     *self._batch_avals)
@@ -374,9 +377,7 @@ class CompiledStep:
             # leaves a library's jit treats as static (a string) passed as they are
             leaves, treedef = jax.tree.flatten(live)
             at = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
-            copies = jax.device_put([leaves[i] for i in at], [leaves[i].sharding for i in at],
-                                    may_alias=False)
-            for i, x in zip(at, copies):
+            for i, x in zip(at, copied([leaves[i] for i in at])):
                 leaves[i] = x
             return self._normal(treedef.unflatten(leaves), *batch)
         args = (self.frozen, live, *batch) if self._bound else (live, *batch)

@@ -289,6 +289,12 @@ def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     return np.ndarray(shape, dtype, buf, start)
 
 
+def put_into(values: list[Any], at: Sequence[int], shardings: Sequence[Any]) -> None:
+    """Replace ``values[i]``, for each ``i`` in ``at``, by it placed with its sharding (one batch)."""
+    for i, x in zip(at, put_all([np.asarray(values[i]) for i in at], shardings)):
+        values[i] = x
+
+
 def put_all(arrays: Sequence[np.ndarray], shardings: Sequence[Any]) -> list[jax.Array]:
     """Each array as a jax array with its sharding (None: the default device).
 

@@ -59,7 +59,7 @@ _READERS = min(4, os.cpu_count() or 1)  # threads reading members at once (more 
 
 from loopkit.plugins.leaf_records import (  # noqa: E402
     LeafRecord, aligned_empty, dtype_from_name, finish, host_value, leaf_records, like_leaves,
-    nest, placement, put_all, quick_switching, read_records, remove_stale, saving_lock,
+    nest, placement, put_into, quick_switching, read_records, remove_stale, saving_lock,
 )
 
 
@@ -228,8 +228,7 @@ class NpzBackend:
                 if as_jax:
                     placed.append(i)
                     shardings.append(sharding)
-        for i, x in zip(placed, put_all([np.asarray(values[i]) for i in placed], shardings)):
-            values[i] = x
+        put_into(values, placed, shardings)
         values = [finish(rec, value) for rec, value in zip(records, values)]
         state = nest([r.path for r in records], values)
         return (state if like is None else conform(state, like)), head.get("metadata") or {}

@@ -24,7 +24,7 @@ import numpy as np
 from loopkit.errors import CheckpointError
 from loopkit.plugins.leaf_records import (
     LeafRecord, aligned_empty, dtype_name, finish, host_value, like_leaves, nest, placement,
-    put_all, read_records,
+    put_all, put_into, read_records,
 )
 
 __all__ = ["Head", "OrbaxCheckpoint", "is_orbax_tree", "read_arrays", "read_head",
@@ -299,8 +299,7 @@ def read_arrays(reader: Any, path: Path, head: Head, records: Sequence[LeafRecor
     def place(names: list[str], arrays: list[Any]) -> list[Any]:
         """The arrays of a batch that go to a device, placed in one call (one per leaf adds up)."""
         mine = [i for i, n in enumerate(names) if n in puts]
-        for i, x in zip(mine, put_all([arrays[i] for i in mine], [puts[names[i]] for i in mine])):
-            arrays[i] = x
+        put_into(arrays, mine, [puts[names[i]] for i in mine])
         return arrays
 
     values = read_direct(path, host, place)
@@ -335,8 +334,7 @@ def read_arrays(reader: Any, path: Path, head: Head, records: Sequence[LeafRecor
         else:
             value = values[name]
             out.append(value[()] if rec.kind == "npscalar" else value)
-    for i, x in zip(empties, put_all([out[i] for i in empties], shardings)):
-        out[i] = x
+    put_into(out, empties, shardings)
     return [finish(rec, value) for rec, value in zip(records, out)]
 
 

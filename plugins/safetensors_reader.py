@@ -14,10 +14,11 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import jax
-import numpy as np
 
 from loopkit.errors import CheckpointError
-from loopkit.plugins.leaf_records import dtype_from_name, like_leaves, nest, placement, put_all
+from loopkit.plugins.leaf_records import (
+    dtype_from_name, like_leaves, nest, placement, put_into,
+)
 
 __all__ = ["SafetensorsCheckpoint"]
 
@@ -125,8 +126,7 @@ class SafetensorsCheckpoint:
             records.append(tuple(p.split("/")))
             leaves.append(arr)
         # placed in one batch: a device_put per tensor adds up over thousands
-        for i, x in zip(placed, put_all([np.asarray(leaves[i]) for i in placed], shardings)):
-            leaves[i] = x
+        put_into(leaves, placed, shardings)
         state = nest(records, leaves)
         return (state if like is None else conform(state, like)), {}
 

@@ -74,8 +74,10 @@ class IntervalMean:
         )
         return self._zeros()
 
-    def _zeros(self) -> Any:
-        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self._like)
+    def _zeros(self, like: Any = None) -> Any:
+        """Zeros shaped as ``like`` (the whole carry by default)."""
+        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                            self._like if like is None else like)
 
     def _update(self, value: Any, state: Any, metrics: Mapping[str, Any]) -> Any:
         packed, arrays = value
@@ -110,8 +112,7 @@ class IntervalMean:
             return {}
         head = np.zeros_like(packed)
         head[n:] = packed[n:]  # the sums start again; the latest values (if any) stay
-        self.carry.value = (jnp.asarray(head),
-                            {k: jnp.zeros(s.shape, s.dtype) for k, s in self._like[1].items()})
+        self.carry.value = (jnp.asarray(head), self._zeros(self._like[1]))
         means: dict[str, Any] = {k: float(s / count) for k, s in zip(self.scalars, packed)}
         means.update({k: a / count for k, a in arrays.items()})
         return means
