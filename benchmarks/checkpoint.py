@@ -4,6 +4,7 @@
                                     [--orbax KEY=VALUE ...] [--only orbax|npz]
     python benchmarks/checkpoint.py --sweep [--repeats 3] [--dir DIR]
     python benchmarks/checkpoint.py --busy [--dir DIR]
+    python benchmarks/checkpoint.py --gc [--repeats 5] [--dir DIR]
 
 On a state of ``--mb`` MB of float32 jax arrays (a few big matrices, many small
 vectors, random data so nothing compresses away), each repeat measures:
@@ -33,6 +34,11 @@ loopkit's orbax and npz commit and cold restore, and plain orbax
 (`StandardCheckpointer` save, no fsync; its restore into `jax.eval_shape` of the
 state); and the peak growth of this process's resident memory during each save
 and restore (sampled every 2 ms), against the state's size.
+
+``--busy`` commits and restores 4,096 leaves beside a thread busy running Python,
+with loopkit's switch interval during checkpoint I/O and with Python's; ``--gc``
+does so alone, with loopkit's garbage-collector threshold and with Python's
+(`loopkit.plugins.io_settings`).
 """
 
 from __future__ import annotations
@@ -327,11 +333,11 @@ def busy(args) -> None:
     The thread stands for a training loop or an input pipeline that holds the GIL;
     each checkpoint call that releases the GIL waits up to the switch interval to get
     it back. Each backend with loopkit's 0.2 ms interval during its I/O
-    (`leaf_records.quick_switching`), then with Python's default kept (5 ms).
+    (`io_settings.checkpoint_io`), then with Python's default kept (5 ms).
     """
     import threading
 
-    from loopkit.plugins import leaf_records
+    from loopkit.plugins import io_settings
 
     rng = np.random.default_rng(0)
     leaves, n = 4096, 128 * 2**20 // 4 // 4096
@@ -355,8 +361,8 @@ def busy(args) -> None:
             backend = cls(root / name)
             backend.save(0, state, {})  # warm-up
             backend.wait()
-            for interval in (leaf_records.SWITCH_INTERVAL, sys.getswitchinterval()):
-                saved, leaf_records.SWITCH_INTERVAL = leaf_records.SWITCH_INTERVAL, interval
+            for interval in (io_settings.SWITCH_INTERVAL, sys.getswitchinterval()):
+                saved, io_settings.SWITCH_INTERVAL = io_settings.SWITCH_INTERVAL, interval
                 row = []
                 for op in ("commit", "restore"):
                     for loaded in (False, True):
@@ -376,13 +382,82 @@ def busy(args) -> None:
                             thread.join()
                         if op == "commit" and not loaded:
                             backend.delete(1)
-                leaf_records.SWITCH_INTERVAL = saved
+                io_settings.SWITCH_INTERVAL = saved
                 backend.delete(1)
                 print(f"| {name} | {interval * 1e3:g} ms | " +
                       " | ".join(f"{v:.2f} s" for v in row) + " |", flush=True)
             backend.close()
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def gc_cost(args) -> None:
+    """Commit and restore of 4,096 leaves with loopkit's collector threshold and Python's.
+
+    A model's shape: 2,048 layers of a weight and a bias (128 MiB). Each repeat runs
+    every backend twice, paired: with the collector's first threshold at loopkit's
+    `io_settings.GC_THRESHOLD` during checkpoint I/O, then at Python's 700; the time
+    the collector itself took (`gc.callbacks`) is shown beside each.
+    """
+    import gc
+
+    from loopkit.plugins import io_settings
+
+    rng = np.random.default_rng(0)
+    leaves, n = 4096, 128 * 2**20 // 4 // 4096
+    state = {"layers": [{"w": jnp.asarray(rng.standard_normal(n, np.float32)),
+                         "b": jnp.asarray(rng.standard_normal(n, np.float32))}
+                        for _ in range(leaves // 2)]}
+    like = abstract(state)
+    root = Path(tempfile.mkdtemp(prefix="loopkit-ckpt-gc-", dir=args.dir))
+    spent = [0.0, 0.0]  # collector time, start of the collection under way
+
+    def clock(phase: str, info: dict) -> None:
+        if phase == "start":
+            spent[1] = time.perf_counter()
+        else:
+            spent[0] += time.perf_counter() - spent[1]
+
+    ours, python = io_settings.GC_THRESHOLD, gc.get_threshold()[0]
+    res: dict[tuple[str, int, str], list[tuple[float, float]]] = {}
+    gc.callbacks.append(clock)
+    try:
+        for name, cls in (("orbax", OrbaxBackend), ("npz", NpzBackend)):
+            backend = cls(root / name)
+            backend.save(0, state, {})  # warm-up
+            backend.wait()
+            step = 0
+            for _ in range(args.repeats):
+                for threshold in (ours, python):
+                    io_settings.GC_THRESHOLD = threshold
+                    step += 1
+                    for op in ("commit", "restore"):
+                        spent[0] = 0.0
+                        t = time.perf_counter()
+                        if op == "commit":
+                            backend.save(step, state, {})
+                            backend.wait()
+                        else:
+                            jax.block_until_ready(backend.restore(step, like)[0])
+                        res.setdefault((name, threshold, op), []).append(
+                            (time.perf_counter() - t, spent[0]))
+                    backend.delete(step)
+            backend.close()
+    finally:
+        io_settings.GC_THRESHOLD = ours
+        gc.callbacks.remove(clock)
+        shutil.rmtree(root, ignore_errors=True)
+    print(f"\n4,096 leaves, 128 MiB: seconds (of them in the collector), median of {args.repeats}")
+    print("| backend | first threshold during I/O | commit | restore |")
+    print("|---|---|---|---|")
+    for name in ("orbax", "npz"):
+        for threshold in (ours, python):
+            cells = []
+            for op in ("commit", "restore"):
+                got = res[(name, threshold, op)]
+                cells.append(f"{statistics.median(t for t, _ in got):.2f} s "
+                             f"({statistics.median(g for _, g in got):.2f} s)")
+            print(f"| {name} | {threshold:,} | " + " | ".join(cells) + " |", flush=True)
 
 
 def machine() -> str:
@@ -409,6 +484,9 @@ def main() -> None:
                    help="leaf counts 16-4,096 at 128 MiB, and 16 leaves at 512 MiB and 2 GiB")
     p.add_argument("--busy", action="store_true",
                    help="4,096 leaves committed and restored beside a thread busy in Python")
+    p.add_argument("--gc", action="store_true",
+                   help="4,096 leaves committed and restored with loopkit's collector "
+                        "threshold and Python's")
     p.add_argument("--orbax", action="append", default=[], metavar="KEY=VALUE",
                    help="an OrbaxBackend option, e.g. use_compression=True")
     args = p.parse_args()
@@ -421,6 +499,9 @@ def main() -> None:
     print(f"load average {os.getloadavg()}")
     if args.busy:
         busy(args)
+        return
+    if args.gc:
+        gc_cost(args)
         return
     if args.sweep:
         sweep(args)

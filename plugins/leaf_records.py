@@ -17,8 +17,6 @@ import math
 import os
 import re
 import shutil
-import sys
-import threading
 from pathlib import Path
 from typing import Any, Iterator, NamedTuple, Sequence
 
@@ -319,43 +317,6 @@ def put_all(arrays: Sequence[np.ndarray], shardings: Sequence[Any]) -> list[jax.
 
 
 # -- temporaries of dead saves --------------------------------------------------------
-
-
-SWITCH_INTERVAL = 2e-4  # seconds: Python's thread switch interval while checkpoint I/O runs
-_switching_lock = threading.Lock()
-_switching: list[float] = []  # [interval before, interval set, uses in flight] while in use
-
-
-@contextlib.contextmanager
-def quick_switching() -> Iterator[None]:
-    """Lower Python's thread switch interval (`sys.setswitchinterval`) to 0.2 ms meanwhile.
-
-    A checkpoint of thousands of leaves makes thousands of calls that release the
-    GIL (tensorstore's, file I/O). Each time, the thread waits to get the GIL back
-    from any thread busy running Python -- the training loop, an input thread -- for
-    up to the switch interval, 5 ms by default: a 4,096-leaf commit measured 1.1 s
-    alone and 70 s beside one busy thread, 5 s with 0.2 ms (benchmarks/README.md).
-    Threads that do not contend are not affected. Nested and concurrent uses share
-    one change; the last to end restores the previous interval, unless something
-    else changed it meanwhile.
-    """
-    with _switching_lock:
-        if not _switching:
-            before = sys.getswitchinterval()
-            if before > SWITCH_INTERVAL:  # (a lower one of the caller's is left alone)
-                sys.setswitchinterval(SWITCH_INTERVAL)
-            _switching[:] = [before, sys.getswitchinterval(), 0]
-        _switching[2] += 1
-    try:
-        yield
-    finally:
-        with _switching_lock:
-            _switching[2] -= 1
-            if not _switching[2]:
-                before, ours, _ = _switching
-                _switching.clear()
-                if sys.getswitchinterval() == ours != before:
-                    sys.setswitchinterval(before)
 
 
 @contextlib.contextmanager

@@ -57,9 +57,10 @@ _FORMAT = "loopkit-npz"
 _VERSION = 1
 _READERS = min(4, os.cpu_count() or 1)  # threads reading members at once (more than cores: slower)
 
+from loopkit.plugins.io_settings import checkpoint_io  # noqa: E402
 from loopkit.plugins.leaf_records import (  # noqa: E402
     LeafRecord, aligned_empty, dtype_from_name, finish, host_value, leaf_records, like_leaves,
-    nest, placement, put_into, quick_switching, read_records, remove_stale, saving_lock,
+    nest, placement, put_into, read_records, remove_stale, saving_lock,
 )
 
 
@@ -92,6 +93,7 @@ class NpzBackend:
 
     # -- writing --
 
+    @checkpoint_io()
     def save(self, step: int, state: Any, metadata: dict) -> None:
         """Write ``state`` and ``metadata`` as ``step``; returns once committed."""
         step = int(step)
@@ -121,7 +123,7 @@ class NpzBackend:
         self.directory.mkdir(parents=True, exist_ok=True)
         final = self.path(step)
         tmp = final.with_name(f".{final.name}.tmp-{socket.gethostname()}-{os.getpid()}")
-        with saving_lock(self.directory), quick_switching():
+        with saving_lock(self.directory):
             try:
                 with open(tmp, "wb") as f:
                     headers: dict[tuple, bytes] = {}
@@ -206,10 +208,11 @@ class NpzBackend:
             raise CheckpointError(f"checkpoint {where}: leaf {rec.name!r} cannot be read: {e}") from e
         return arr
 
+    @checkpoint_io()
     def restore(self, step: int, like: Any = None) -> tuple[Any, dict]:
         """The state of ``step`` as stored (placed like ``like`` where shapes match), and its metadata."""
         want = like_leaves(like)
-        with quick_switching(), self._open(step) as (reader, head, records):
+        with self._open(step) as (reader, head, records):
             # several members at once: reading and checking each is mostly outside the GIL
             # in a few tasks, not one per leaf: a task costs tens of µs
             tasks = min(len(records), 4 * _READERS)
@@ -238,6 +241,7 @@ class NpzBackend:
         with self._open(step) as (_, _, records):
             return {r.name: st for r in records if (st := r.struct()) is not None}
 
+    @checkpoint_io()
     def restore_leaves(self, step: int, paths: Sequence[str]) -> dict[str, Any]:
         """Read only the leaves at ``paths`` (leaf paths as `structure` names them)."""
         wanted = set(paths)

@@ -69,9 +69,8 @@ import numpy as np
 from loopkit import storage
 from loopkit.errors import CheckpointError
 from loopkit.fs import fsync_dir, fsync_tree
-from loopkit.plugins.leaf_records import (
-    leaf_records, quick_switching, remove_stale, saving_lock,
-)
+from loopkit.plugins.io_settings import checkpoint_io
+from loopkit.plugins.leaf_records import leaf_records, remove_stale, saving_lock
 from loopkit.plugins.orbax_reader import (
     HEAD_KEY as _KEY, VERSION as _VERSION, Head, read_head, restore_some, restore_state,
     sequence_nodes, structure_of,
@@ -173,6 +172,16 @@ class OrbaxBackend:
         """Start saving ``state`` and ``metadata`` as ``step`` in the background."""
         self.wait()  # at most one save in flight; surfaces the last one's error
         step = int(step)
+        tree, custom = self._stored(step, state, metadata)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._pending = step
+        self._thread = threading.Thread(target=self._write, args=(self.path(step), tree, custom),
+                                        name=f"loopkit-orbax-save-{step}")
+        self._thread.start()
+
+    @checkpoint_io()  # (thousands of leaves' records: see `io_settings`)
+    def _stored(self, step: int, state: Any, metadata: dict) -> tuple[Any, dict]:
+        """The tree orbax is given for ``state``, and the step metadata's loopkit head."""
         records, leaves = leaf_records(state)
         names: dict[str, str] = {}
         stored: list[Any] = []  # the state's leaves as orbax stores them, None where it stores none
@@ -213,18 +222,14 @@ class OrbaxBackend:
             json.dumps(custom)
         except (TypeError, ValueError) as e:
             raise TypeError(f"checkpoint metadata must be JSON-able: {e}") from None
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self._pending = step
-        self._thread = threading.Thread(target=self._write, args=(self.path(step), tree, custom),
-                                        name=f"loopkit-orbax-save-{step}")
-        self._thread.start()
+        return tree, custom
 
     def _write(self, final: Path, tree: Any, custom: dict) -> None:
         """The background part of a save: host copy, orbax's write, fsyncs, rename."""
         import orbax.checkpoint as ocp
 
         try:
-            with saving_lock(self.directory), quick_switching():
+            with saving_lock(self.directory), checkpoint_io():
                 trash = final.with_name(f".{final.name}.replaced")
                 if self._primary and final.exists():
                     # Replacing a step: move the old one aside (atomically: a reader
@@ -310,18 +315,18 @@ class OrbaxBackend:
             raise FileNotFoundError(f"no orbax checkpoint for step {step}: {path}")
         return read_head(path)
 
+    @checkpoint_io()
     def restore(self, step: int, like: Any = None) -> tuple[Any, dict]:
         """The state of ``step`` as stored (placed like ``like`` where shapes match), and its metadata."""
         if self._pending == step:
             self.wait()
-        with quick_switching():
-            return restore_state(self._reader, self.path(step), self._head(step), like)
+        return restore_state(self._reader, self.path(step), self._head(step), like)
 
     def structure(self, step: int) -> dict[str, Any]:
         """Leaf path -> shape and dtype of every leaf of ``step``, without reading array data."""
         return structure_of(self._head(step))
 
+    @checkpoint_io()
     def restore_leaves(self, step: int, paths: Sequence[str]) -> dict[str, Any]:
         """Read only the leaves at ``paths`` (orbax partial restore)."""
-        with quick_switching():
-            return restore_some(self._reader, self.path(step), self._head(step), paths)
+        return restore_some(self._reader, self.path(step), self._head(step), paths)

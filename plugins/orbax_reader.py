@@ -22,6 +22,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from loopkit.errors import CheckpointError
+from loopkit.plugins.io_settings import checkpoint_io
 from loopkit.plugins.leaf_records import (
     LeafRecord, aligned_empty, dtype_name, finish, host_value, like_leaves, nest, placement,
     put_all, put_into, read_records,
@@ -396,12 +397,14 @@ class OrbaxCheckpoint:
             raise FileNotFoundError(f"{self._path} holds one checkpoint, step {self._step}")
         return read_head(self._path)
 
+    @checkpoint_io()
     def restore(self, step: int, like: Any = None) -> tuple[Any, dict]:
         return restore_state(self._reader, self._path, self._head(step), like)
 
     def structure(self, step: int) -> dict[str, Any]:
         return structure_of(self._head(step))
 
+    @checkpoint_io()
     def restore_leaves(self, step: int, paths: Sequence[str]) -> dict[str, Any]:
         return restore_some(self._reader, self._path, self._head(step), paths)
 

@@ -16,6 +16,7 @@ from typing import Any, Sequence
 import jax
 
 from loopkit.errors import CheckpointError
+from loopkit.plugins.io_settings import checkpoint_io
 from loopkit.plugins.leaf_records import (
     dtype_from_name, like_leaves, nest, placement, put_into,
 )
@@ -91,6 +92,7 @@ class SafetensorsCheckpoint:
     def structure(self, step: int) -> dict[str, jax.ShapeDtypeStruct]:
         return {p: s for p, (_, _, s) in self._tensors().items()}
 
+    @checkpoint_io()
     def restore_leaves(self, step: int, paths: Sequence[str]) -> dict[str, Any]:
         index = self._tensors()
         missing = set(paths) - index.keys()
@@ -112,6 +114,7 @@ class SafetensorsCheckpoint:
                 raise CheckpointError(f"safetensors file {file} cannot be read: {e}") from e
         return out
 
+    @checkpoint_io()
     def restore(self, step: int, like: Any = None) -> tuple[Any, dict]:
         from loopkit.pytree import conform
 
