@@ -396,7 +396,8 @@ def gc_cost(args) -> None:
 
     A model's shape: 2,048 layers of a weight and a bias (128 MiB). Each repeat runs
     every backend twice, paired: with the collector's first threshold at loopkit's
-    `io_settings.GC_THRESHOLD` during checkpoint I/O, then at Python's 700; the time
+    `io_settings.GC_THRESHOLD` during checkpoint I/O and at Python's 700, in turns
+    first; the time
     the collector itself took (`gc.callbacks`) is shown beside each.
     """
     import gc
@@ -427,8 +428,8 @@ def gc_cost(args) -> None:
             backend.save(0, state, {})  # warm-up
             backend.wait()
             step = 0
-            for _ in range(args.repeats):
-                for threshold in (ours, python):
+            for r in range(args.repeats):
+                for threshold in ((ours, python) if r % 2 == 0 else (python, ours)):
                     io_settings.GC_THRESHOLD = threshold
                     step += 1
                     for op in ("commit", "restore"):

@@ -38,6 +38,7 @@ from loopkit.plugins.checkpoint_helpers import (
 from loopkit.plugins.checkpoint_ledger import Ledger
 from loopkit.plugins.checkpoint_replicas import agree_to_save, host_copies
 from loopkit.plugins.checkpoint_restore import find_restorable
+from loopkit.plugins.io_settings import checkpoint_io
 from loopkit.plugins.checkpoint_state import CheckpointState, checkpoint_path, encode_position
 
 __all__ = [
@@ -188,8 +189,9 @@ class CheckpointPlugin:
     def restore_state(self, session: Any, like: PyTree) -> Restored | None:
         backend, ledger = self._open(session)
         state = self._file
-        found = find_restorable(backend, ledger, state, place_like(like), self._path,
-                                self.config.recovery_wait_secs)
+        with checkpoint_io():  # (any backend's: see io_settings)
+            found = find_restorable(backend, ledger, state, place_like(like), self._path,
+                                    self.config.recovery_wait_secs)
         ledger.adopt(None if found is None else found.step, state)
         if found is None:
             return None
@@ -209,6 +211,7 @@ class CheckpointPlugin:
         if secs or steps:
             session.every(self._save, secs=secs, steps=steps, name="checkpoint")
 
+    @checkpoint_io()  # the staging, fingerprints and save of any backend: see io_settings
     def _save(self, session: Any) -> None:
         """Start saving the current state (the timer action, and the final save)."""
         t0 = time.perf_counter()

@@ -13,6 +13,7 @@ from loopkit import storage
 from loopkit.config import Config
 from loopkit.hookspec import hookimpl
 from loopkit.pytree import leaf_path, shape_dtype
+from loopkit.plugins.io_settings import checkpoint_io
 
 PyTree = Any
 
@@ -93,6 +94,7 @@ def from_pretrained(
         if value is not None and not all(isinstance(p, str) for p in value):
             raise ValueError(f"from_pretrained: {name}={value!r} must be a list of patterns")
 
+    @checkpoint_io()
     def init_fn(state: PyTree) -> PyTree:
         backend, step, where = _resolve(logdir_or_path)
         try:

@@ -26,6 +26,7 @@ from typing import Any, Callable, Sequence
 
 from loopkit import storage
 from loopkit.errors import CheckpointError
+from loopkit.plugins.io_settings import checkpoint_io
 
 __all__ = ["StagedBackend", "local_or_staged"]
 
@@ -111,6 +112,7 @@ class StagedBackend:
         finally:
             self._discard_local(step)
 
+    @checkpoint_io()
     def _upload(self, step: int) -> None:
         if not self._cleaned:  # only a writer cleans: a reader may watch a save in progress
             self._remove_partial()
@@ -185,6 +187,7 @@ class StagedBackend:
             fs.get_file(base, str(dst))  # FileNotFoundError when there is none
         self._fetched.add(step)
 
+    @checkpoint_io()
     def restore(self, step: int, like: Any = None) -> tuple[Any, dict]:
         self._fetch(step)
         return self.local.restore(step, like)
@@ -193,6 +196,7 @@ class StagedBackend:
         self._fetch(step)
         return self.local.structure(step)
 
+    @checkpoint_io()
     def restore_leaves(self, step: int, paths: Sequence[str]) -> dict[str, Any]:
         self._fetch(step)
         return self.local.restore_leaves(step, paths)
