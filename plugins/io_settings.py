@@ -6,14 +6,14 @@ two of the interpreter's defaults made it several times slower than its work:
 - **The thread switch interval** (`sys.setswitchinterval`, 5 ms). Each call that
   releases the GIL (tensorstore's, file I/O) waits to get it back from any thread
   busy running Python -- the training loop, an input thread -- for up to the
-  interval: a 4,096-leaf commit measured 1.1 s alone and 70 s beside one busy
-  thread, 5 s at 0.2 ms (benchmarks/README.md, "busy thread").
+  interval: an orbax commit of 4,096 leaves took 57 s beside one busy thread at
+  5 ms, 3.9 s at 0.2 ms (``benchmarks/checkpoint.py --busy``, benchmarks/README.md).
 - **The garbage collector's first threshold** (`gc.set_threshold`, 700). A save
   or restore of 4,096 leaves allocates hundreds of thousands of containers (records,
   orbax's parameter infos and asyncio tasks), so the collector ran hundreds of young
   collections and two or three full ones, each full one walking every object of the
-  process (jax's included): 0.45 s of a 2.0 s orbax commit, 0.16 s of a 1.3 s
-  restore. At 50,000 the orbax commit took 1.4 s and the restores 9-16% less
+  process (jax's included): 0.42 s of a 1.81 s orbax commit, 0.14 s of a 1.33 s
+  restore. At 50,000 the same commit took 1.25 s and the restores 7-14% less
   (``benchmarks/checkpoint.py --gc``, benchmarks/README.md). Cycles are still
   collected: a young collection after 50,000 container allocations instead of 700.
 
