@@ -38,8 +38,8 @@ from loopkit.plugins.checkpoint_helpers import (
 from loopkit.plugins.checkpoint_ledger import Ledger
 from loopkit.plugins.checkpoint_replicas import agree_to_save, host_copies
 from loopkit.plugins.checkpoint_restore import find_restorable
-from loopkit.plugins.io_settings import checkpoint_io
 from loopkit.plugins.checkpoint_state import CheckpointState, checkpoint_path, encode_position
+from loopkit.plugins.io_settings import checkpoint_io
 
 __all__ = [
     "BUILTIN_BACKENDS",

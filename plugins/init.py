@@ -12,8 +12,8 @@ import numpy as np
 from loopkit import storage
 from loopkit.config import Config
 from loopkit.hookspec import hookimpl
-from loopkit.pytree import leaf_path, shape_dtype
 from loopkit.plugins.io_settings import checkpoint_io
+from loopkit.pytree import leaf_path, shape_dtype
 
 PyTree = Any
 

@@ -254,22 +254,19 @@ def read_direct(path: Path, wanted: dict[str, tuple[str, ...]],
     except Exception as e:
         raise CheckpointError(f"checkpoint {path} cannot be read: {e}") from e
     values: dict[str, Any] = {}
-    batch: list[int] = []
-    size = 0
+    start = size = 0  # the batch read since `start`, and its bytes
     for i, (out, read, _) in enumerate(reads):
         try:
             read.result()
         except Exception as e:
             raise CheckpointError(f"checkpoint {path} cannot be read: {e}") from e
-        batch.append(i)
         size += out.nbytes
-        if i + 1 == len(reads) or size >= _BATCH_BYTES or len(batch) >= _BATCH_LEAVES:
-            done = [reads[j][0] for j in batch]
-            values.update(zip([names[j] for j in batch],
-                              place([names[j] for j in batch], done) if place else done))
-            for j in batch:
-                reads[j] = None  # its target let go here, on this thread
-            batch, size = [], 0
+        end = i + 1
+        if end == len(reads) or size >= _BATCH_BYTES or end - start >= _BATCH_LEAVES:
+            batch, done = names[start:end], [r[0] for r in reads[start:end]]
+            values.update(zip(batch, place(batch, done) if place else done))
+            reads[start:end] = [None] * (end - start)  # their targets let go here, on this thread
+            start, size = end, 0
     return values
 
 
