@@ -36,7 +36,9 @@ import jax
 import jax.numpy as jnp
 
 from loopkit.carry import CarriedMetrics, attach, first_values, update_all
+from loopkit.pytree import abstract
 from loopkit.staging import Spare, Staged, aval, copied, to_host, views, views_protect
+from loopkit.step_checks import RecompileWatch, check_step_output
 
 if TYPE_CHECKING:
     from loopkit.carry import StepCarry
@@ -110,6 +112,7 @@ class CompiledStep:
         self._spare: Spare | None = None  # CPU: the step after a save writes elsewhere
         self._batch_avals: tuple = ()
         self._bound = False  # the jitted function takes the frozen leaves first
+        self._unchecked: Any = None  # the input state, until the first output is checked
         attach(carries, self)
 
     # -- the state ---------------------------------------------------------------------
@@ -134,7 +137,7 @@ class CompiledStep:
         if self.user_jitted or live is None:
             return live
         part = live[0] if self.carries else live
-        if layout is None:  # not jitted by loopkit, or a structure-changing step
+        if layout is None:  # not jitted by loopkit
             return part
         leaves: list[Any] = [None] * layout.treedef.num_leaves
         for i, x in zip(layout.rewritten, part):
@@ -245,38 +248,47 @@ class CompiledStep:
         self.call = self._normal
         if self._protect:
             self._protect = False
-            return self._protected(live, *batch)
-        return self._normal(live, *batch)
+            out = self._protected(live, *batch)
+        else:
+            out = self._normal(live, *batch)
+        if self._unchecked is not None:  # a step not traced by loopkit: its first output
+            like, self._unchecked = self._unchecked, None
+            check_step_output(out, like)
+        return out
 
     def _build(self, state: PyTree, batch: tuple) -> None:
         fn, carries = self.fn, self.carries
         if self.user_jitted:
             self._normal = fn
+            self._unchecked = abstract(state)  # checked on what its first call returns
             return
         like_state = like_metrics = None
         if self.jit:
-            closed, (like_state, like_metrics) = jax.make_jaxpr(fn, return_shape=True)(
-                state, *batch)
-            leaves, treedef = jax.tree.flatten(state)
-            if jax.tree.structure(like_state) == treedef:
-                n, jaxpr = len(leaves), closed.jaxpr
-                frozen = tuple(i for i in range(n) if jaxpr.outvars[i] is jaxpr.invars[i])
-                rewritten = tuple(i for i in range(n) if i not in set(frozen))
-                self._layout = _Layout(treedef, rewritten, frozen,
-                                       _pins([leaves[i] for i in rewritten]))
-            else:
-                log.info("loopkit: the step returns a state of another structure; "
-                         "its layout is not pinned and every leaf is donated")
+            closed, out = jax.make_jaxpr(fn, return_shape=True)(state, *batch)
+            check_step_output(out, state)
+            like_state, like_metrics = out
+            leaves, treedef = jax.tree.flatten(state)  # the same structure as the output
+            n, jaxpr = len(leaves), closed.jaxpr
+            frozen = tuple(i for i in range(n) if jaxpr.outvars[i] is jaxpr.invars[i])
+            rewritten = tuple(i for i in range(n) if i not in set(frozen))
+            self._layout = _Layout(treedef, rewritten, frozen,
+                                   _pins([leaves[i] for i in rewritten]))
         elif carries:
-            like_state, like_metrics = jax.eval_shape(fn, state, *batch)
+            out = jax.eval_shape(fn, state, *batch)
+            check_step_output(out, state)
+            like_state, like_metrics = out
+        else:  # checked on what the first call returns (nothing traced twice)
+            self._unchecked = abstract(state)
         self._firsts = first_values(carries, like_state, like_metrics) if carries else ()
         holder = next((c for c in carries if c.metrics_of is not None), None)
         drop = holder is not None and not self.metrics_needed
         if drop:  # the carry holds the latest metrics: no metric arrays out of the step
             self.no_metrics = CarriedMetrics(holder)
         layout = self._layout
+        watch = RecompileWatch(getattr(fn, "__qualname__", repr(fn)))
         if layout is None:
             def inner(frozen: tuple, live: Any, *batch: Any) -> Any:
+                watch.traced(batch)  # runs when jax traces (compiles), not per step
                 if not carries:
                     return fn(live, *batch)
                 state, values = live
@@ -287,6 +299,7 @@ class CompiledStep:
             size = treedef.num_leaves
 
             def inner(frozen: tuple, live: Any, *batch: Any) -> Any:
+                watch.traced(batch)  # runs when jax traces (compiles), not per step
                 part, values = live if carries else (live, ())
                 leaves: list[Any] = [None] * size
                 for i, x in zip(rw, part):

@@ -79,11 +79,7 @@ def check_url(url: str, field: str = "path") -> None:
         return
     extra = _EXTRAS.get(scheme)
     if extra is not None:
-        missing = [m for m in ("fsspec", *extra[1]) if importlib.util.find_spec(m) is None]
-        if missing:
-            raise ImportError(
-                f"{field}={url!r} needs {', '.join(missing)}: install the extra "
-                f"jax-loopkit[{extra[0]}] (pip install 'jax-loopkit[{extra[0]}]')")
+        _import_extra(url, field, scheme)
         return
     if importlib.util.find_spec("fsspec") is None:
         raise ImportError(f"{field}={url!r} is a {scheme}:// URL, which needs fsspec "
@@ -102,6 +98,32 @@ def check_url(url: str, field: str = "path") -> None:
                           f"{e}") from e
 
 
+def _import_extra(url: str, field: str, scheme: str) -> None:
+    """Import the client modules of `scheme`'s extra, or raise `ImportError` naming it.
+
+    However the import fails (a module missing, or installed but broken: a
+    botocore that aiobotocore refuses), the error names the extra to install.
+    """
+    extra, modules = _EXTRAS[scheme]
+    missing, broken = [], None
+    for module in ("fsspec", *modules):
+        if importlib.util.find_spec(module) is None:
+            missing.append(module)
+            continue
+        try:
+            importlib.import_module(module)
+        except Exception as e:  # noqa: BLE001 - any failure: say what to install
+            broken = broken or e
+            missing.append(module)
+    if missing:
+        err = ImportError(
+            f"{field}={url!r} needs {', '.join(missing)}, which "
+            + ("failed to import" if broken is not None else "is not installed")
+            + f": install the extra jax-loopkit[{extra}] (pip install 'jax-loopkit[{extra}]')"
+            + (f" ({type(broken).__name__}: {broken})" if broken is not None else ""))
+        raise err from broken
+
+
 def refuse_url(directory: Any, who: str) -> None:
     """Fail clearly when a backend that writes local files is handed a URL."""
     if is_url(directory):
@@ -113,9 +135,17 @@ def refuse_url(directory: Any, who: str) -> None:
 
 def filesystem(url: str) -> tuple[Any, str]:
     """fsspec's filesystem for `url` and the path inside it."""
-    from fsspec.core import url_to_fs
+    scheme = scheme_of(url)
+    if scheme in _EXTRAS:
+        _import_extra(url, "path", scheme)
+    try:
+        from fsspec.core import url_to_fs
 
-    return url_to_fs(url)
+        return url_to_fs(url)
+    except ImportError as e:
+        raise ImportError(f"{url!r} needs a client library that failed to import ({e}); "
+                          "s3:// and gs:// come with the extras jax-loopkit[s3] and "
+                          "jax-loopkit[gcs]") from e
 
 
 def join(base: Path | str, *names: str) -> Path | str:

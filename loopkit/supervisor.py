@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import os
 from typing import Any, Callable, Iterable, Mapping
 
@@ -17,10 +18,16 @@ __all__ = ["Supervisor", "make_config"]
 
 def make_config(config: Config | None, fields: Mapping[str, Any]) -> Config:
     """`config` with `fields` applied; unknown field names are a `TypeError`."""
-    unknown = set(fields) - set(Config.field_names())
+    known = Config.field_names()
+    unknown = sorted(set(fields) - set(known))
     if unknown:
+        hints = []
+        for name in unknown:
+            close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+            hints.append(f"{name!r} (did you mean {close[0]!r}?)" if close else repr(name))
         raise TypeError(
-            f"unknown Config field(s) {sorted(unknown)}; known: {', '.join(Config.field_names())}"
+            f"unknown Config field{'s' if len(unknown) > 1 else ''} {', '.join(hints)}; "
+            f"the fields are listed in loopkit.Config (docs/migrating-from-supervisor.md)"
         )
     if config is None:
         return Config(**fields)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -66,6 +67,34 @@ def test_a_url_whose_extra_is_missing_fails_naming_the_extra(monkeypatch, url, m
         loopkit.Config(logdir=url)
     with pytest.raises(ImportError, match=module):
         loopkit.load_checkpoint(url)
+
+
+def test_a_url_whose_client_fails_to_import_names_the_extra(tmp_path):
+    # installed but broken (an aiobotocore that refuses the installed botocore): the
+    # error still says what to install, on every path, never a bare import error
+    broken = tmp_path / "s3fs"
+    broken.mkdir()
+    (broken / "__init__.py").write_text(
+        "raise ImportError(\"cannot import name 'AioSession' from 'aiobotocore'\")\n")
+    script = (
+        "import loopkit, jax.numpy as jnp\n"
+        "for call in (lambda: loopkit.Config(logdir='s3://b/run'),\n"
+        "             lambda: loopkit.latest_checkpoint('s3://b/run'),\n"
+        "             lambda: loopkit.train(lambda s: (s, {}), init=jnp.zeros(()),\n"
+        "                                   logdir='s3://b/run', max_steps=1)):\n"
+        "    try:\n"
+        "        call()\n"
+        "    except ImportError as e:\n"
+        "        print('ERR', e)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120, env=env)
+    lines = [x for x in out.stdout.splitlines() if x.startswith("ERR")]
+    assert len(lines) == 3, out.stdout + out.stderr
+    for line in lines:
+        assert "s3fs, which failed to import" in line and "jax-loopkit[s3]" in line, line
+        assert "AioSession" in line, line
 
 
 def test_the_cli_names_a_bad_url():
