@@ -11,7 +11,7 @@ import numpy as np
 
 __all__ = [
     "leaf_path", "leaves_with_paths", "abstract", "check_matches", "check_storable",
-    "conform", "is_key", "trace_init",
+    "conform", "is_key", "sharding_of", "trace_init",
 ]
 
 log = logging.getLogger("loopkit")
@@ -59,6 +59,20 @@ def shape_dtype(x: Any) -> tuple[tuple[int, ...], Any]:
     return tuple(arr.shape), _canonical(arr.dtype)
 
 
+def sharding_of(x: Any) -> Any:
+    """`x.sharding` as it applies to `x`'s own shape.
+
+    A typed key's sharding under an explicit-axis mesh (`jax.set_mesh`) describes
+    its underlying data, one dimension more (``P(None,)`` for a scalar key): its
+    spec is cut to the key's rank, so that an abstract value can carry it.
+    """
+    sharding = x.sharding
+    spec = getattr(sharding, "spec", None)
+    if spec is not None and len(spec) > len(x.shape):
+        sharding = sharding.update(spec=jax.sharding.PartitionSpec(*spec[:len(x.shape)]))
+    return sharding
+
+
 def _unholdable(dtype: np.dtype) -> bool:
     """Objects, strings and raw bytes (not the ml_dtypes, whose numpy kind is also "V")."""
     return dtype.kind in "OSU" or dtype.type is np.void
@@ -83,7 +97,7 @@ def abstract(tree: PyTree) -> PyTree:
         if not is_key(dtype) and _unholdable(dtype):
             return x
         if isinstance(x, jax.Array):
-            return jax.ShapeDtypeStruct(shape, dtype, sharding=x.sharding,
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding_of(x),
                                         weak_type=bool(getattr(x, "weak_type", False)))
         weak = type(x) in (int, float, complex)
         return jax.ShapeDtypeStruct(shape, dtype, weak_type=weak)

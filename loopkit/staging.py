@@ -15,7 +15,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import jax
 import numpy as np
 
-from loopkit.pytree import is_key
+from loopkit.pytree import is_key, sharding_of
 
 __all__ = ["Spare", "Staged", "aval", "copied", "to_host", "views", "views_protect"]
 
@@ -48,7 +48,8 @@ def aval(x: Any) -> Any:
     """What `jit.lower` needs of an argument: its type and placement, not its buffer."""
     if isinstance(x, (jax.Array, np.ndarray)):
         committed = isinstance(x, jax.Array) and x.committed
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if committed else None,
+        return jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                    sharding=sharding_of(x) if committed else None,
                                     weak_type=getattr(x, "weak_type", False))
     return x
 

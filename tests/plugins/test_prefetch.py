@@ -437,3 +437,45 @@ def test_docs_input_examples_run(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     for i, block in enumerate(blocks):
         exec(compile(block, f"docs/input.md[block {i}]", "exec"), {"__name__": "__main__"})
+
+
+@pytest.mark.parametrize("depth", [1, 2, 4])
+def test_batches_already_on_the_device_are_read_ahead_only_prefetch_deep(depth):
+    # gemma port: device batches counted as 0 bytes were buffered 1,024 deep
+    reads = 0
+
+    def data():
+        nonlocal reads
+        while True:
+            reads += 1
+            yield jnp.zeros((256 * 1024,), jnp.float32)  # 1 MiB, on the device
+
+    class Slow:
+        @loopkit.hookimpl
+        def after_step(self):
+            time.sleep(0.002)
+
+    loopkit.train(lambda s, b: (s + b[0], {}), init=jnp.zeros(()), data=data(),
+                  max_steps=100, prefetch=depth, plugins=[Slow()], progress=False,
+                  autoload=False)
+    # the buffer, plus the batch a blocked producer holds in hand
+    assert reads - 100 <= depth + 1, f"{reads - 100} batches read ahead with prefetch={depth}"
+
+
+def test_small_device_batches_are_bounded_too():
+    reads = 0
+
+    def data():
+        nonlocal reads
+        while True:
+            reads += 1
+            yield jnp.full((4,), 1.0)  # small, but device memory all the same
+
+    class Slow:
+        @loopkit.hookimpl
+        def after_step(self):
+            time.sleep(0.002)
+
+    loopkit.train(lambda s, b: (s + b[0], {}), init=jnp.zeros(()), data=data(),
+                  max_steps=50, prefetch=2, plugins=[Slow()], progress=False, autoload=False)
+    assert reads - 50 <= 3
