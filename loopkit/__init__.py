@@ -8,7 +8,7 @@ from loopkit.carry import StepCarry
 from loopkit.checkpoint import CheckpointBackend, Restored
 from loopkit.config import Config
 from loopkit.coordinator import Coordinator
-from loopkit.errors import CheckpointError, NonFiniteError, PluginError
+from loopkit.errors import CheckpointError, LogdirInUseError, NonFiniteError, PluginError
 from loopkit.hookspec import hookimpl, hookspec
 from loopkit.session import Session
 from loopkit.stash import StashKey
@@ -22,6 +22,7 @@ __all__ = [
     "CheckpointError",
     "Config",
     "Coordinator",
+    "LogdirInUseError",
     "NonFiniteError",
     "PluginError",
     "Restored",

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-__all__ = ["CheckpointError", "NonFiniteError", "PluginError"]
+__all__ = ["CheckpointError", "LogdirInUseError", "NonFiniteError", "PluginError"]
 
 
 class CheckpointError(RuntimeError):
     """Checkpoints exist but none can be restored (never a silent fresh start)."""
+
+
+class LogdirInUseError(RuntimeError):
+    """Another live run uses this logdir; the message names its host, process id and start."""
 
 
 class NonFiniteError(FloatingPointError):

@@ -20,6 +20,7 @@ from loopkit.coordinator import (
     Coordinator, LooperThread, SignalHandlers, add_note, has_origin, raise_stop_errors,
 )
 from loopkit.data import Lookahead, make_input
+from loopkit.logdir_lock import LogdirLock
 from loopkit.pytree import abstract, check_matches, conform, trace_init
 from loopkit.scheduler import Scheduler, Timer, agree_across_processes, noted
 from loopkit.stash import Stash, StashKey
@@ -102,6 +103,7 @@ class Session:
         self._host: dict[str, Any] = {}
         self._host_step = -1
         self._host_of: Any = None
+        self._lock: LogdirLock | None = None  # the chief's claim on the logdir
 
     # -- the per-step path -----------------------------------------------------------
 
@@ -295,6 +297,9 @@ class Session:
 
     def _prepare(self, init: Any, data: Any) -> None:
         hook = self.hook
+        if self.logdir is not None and self.is_chief:  # one run per logdir
+            self._lock = LogdirLock(self.logdir, on_lost=self.coord.request_stop)
+            self._lock.acquire()
         # A callable init is traced (and lowered where shardings matter), not run;
         # built is init() run for real, once, when it could not be traced.
         like, built = trace_init(init) if callable(init) else (abstract(init), None)
@@ -368,6 +373,9 @@ class Session:
             self.summary_writer = None  # closed by now
             self._end()
             self._signals.restore()
+            if self._lock is not None:
+                self._lock.release()
+                self._lock = None
         # a thread that failed during shutdown counts too
         raise_stop_errors(error if error is not None else coord.exception, stop_errors)
 
