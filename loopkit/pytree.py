@@ -241,8 +241,12 @@ def conform(state: PyTree, like: PyTree) -> PyTree:
 
 
 def _needs_shardings(like: PyTree) -> bool:
-    """Whether lowering must tell where the leaves live (several devices, or a mesh)."""
-    if jax.device_count() > 1:
+    """Whether lowering must tell where the leaves live (several devices, or a mesh).
+
+    Under `jax.set_mesh` even a one-device state is committed to the mesh
+    (`NamedSharding`): a restore must place it so, or the step compiles again.
+    """
+    if jax.device_count() > 1 or not jax.sharding.get_abstract_mesh().empty:
         return True
     return any(getattr(getattr(x, "sharding", None), "mesh", None) is not None
                for x in jax.tree.leaves(like))
@@ -252,8 +256,11 @@ def _device_put_shardings(jaxpr: Any) -> list[Any]:
     """For each output of ``jaxpr``, the sharding a top-level ``device_put`` gave it, or None."""
     made: dict[Any, Any] = {}
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "device_put":
-            for var, where in zip(eqn.outvars, eqn.params.get("devices", ())):
+        # a device_put, or a nested jit with out_shardings (`jax.jit(f, out_shardings=s)()`)
+        param = {"device_put": "devices", "jit": "out_shardings",
+                 "pjit": "out_shardings"}.get(eqn.primitive.name)
+        if param is not None:
+            for var, where in zip(eqn.outvars, eqn.params.get(param, ())):
                 if isinstance(where, jax.sharding.Sharding):
                     made[var] = where
     return [None if type(v).__name__ == "Literal" else made.get(v) for v in jaxpr.outvars]

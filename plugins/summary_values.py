@@ -41,6 +41,13 @@ def _averaged(like: Any) -> bool:
     return np.dtype(like.dtype).kind in "biuf"
 
 
+def _placed_like(new: Any, old: Any) -> Any:
+    """`new` placed as `old` is: on its sharding when it is committed, else uncommitted."""
+    if isinstance(old, jax.Array) and old.committed:
+        return jax.device_put(new, old.sharding)
+    return jnp.asarray(new)
+
+
 class IntervalMean:
     """Each chosen metric's mean over the steps since the last `take`, summed on device."""
 
@@ -112,7 +119,10 @@ class IntervalMean:
             return {}
         head = np.zeros_like(packed)
         head[n:] = packed[n:]  # the sums start again; the latest values (if any) stay
-        self.carry.value = (jnp.asarray(head), self._zeros(self._like[1]))
+        # placed exactly as the sums they replace: the step's signature never changes
+        # (under jax.set_mesh an uncommitted array would compile the step again)
+        self.carry.value = jax.tree.map(_placed_like, (head, self._zeros(self._like[1])),
+                                        value)
         means: dict[str, Any] = {k: float(s / count) for k, s in zip(self.scalars, packed)}
         means.update({k: a / count for k, a in arrays.items()})
         return means

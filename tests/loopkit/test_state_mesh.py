@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -40,3 +45,19 @@ def test_a_typed_key_under_a_mesh_resumes_bitwise(tmp_path, backend):
     assert jnp.array_equal(jax.random.key_data(resumed.state["key"]),
                            jax.random.key_data(straight.state["key"]))
     assert resumed.state["key"].sharding == straight.state["key"].sharding
+
+
+MESH_WORKER = Path(__file__).parent.parent / "workers" / "mesh_prefetch_worker.py"
+
+
+@pytest.mark.parametrize("run", [1, 2])
+@pytest.mark.parametrize("reduce", ["last", "mean"])
+def test_a_2x2_fsdp_tensor_parallel_step_on_a_cpu_mesh_runs_2000_steps(tmp_path, reduce, run):
+    # XLA:CPU deadlocked a collective with two steps in flight on a 2-core machine: the
+    # process aborted (SIGABRT, exit 134) after 40 s, with loopkit's defaults every time
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([sys.executable, str(MESH_WORKER), str(tmp_path), reduce, "2000"],
+                          capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0 and "OK 2000" in proc.stdout, (
+        f"exit {proc.returncode}: {proc.stderr[-3000:]}")

@@ -208,3 +208,23 @@ def test_step_carry_threads_a_plugins_value(tmp_path):
     # states 1, 2, 3: ((0.5 * 1) * 0.5 + 0.5 * 2) * 0.5 + 0.5 * 3
     np.testing.assert_array_equal(np.asarray(ema.carry.value), [2.125, 2.125])
     np.testing.assert_array_equal(np.asarray(r.state), [3.0, 3.0])
+
+
+@pytest.mark.parametrize("reduce", ["last", "mean"])
+@pytest.mark.parametrize("axis", ["explicit", "auto"])
+def test_under_a_mesh_the_step_compiles_once_whatever_the_reduce(tmp_path, caplog, reduce, axis):
+    # the interval sums handed back at a summary are placed as the step left them: an
+    # uncommitted array under jax.set_mesh changed the step's signature (a second compile)
+    kind = jax.sharding.AxisType.Explicit if axis == "explicit" else jax.sharding.AxisType.Auto
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(kind,))
+
+    def decay(w):
+        return w * 0.9, {"loss": jnp.sum(w)}
+
+    with jax.set_mesh(mesh), jax.log_compiles(), caplog.at_level(logging.WARNING):
+        r = loopkit.train(decay, init=jnp.ones(4), max_steps=30, save_summaries_steps=10,
+                          save_summaries_secs=None, summary_reduce=reduce,
+                          checkpoint_backend=None, logdir=tmp_path, progress=False,
+                          autoload=False)
+    steps = [m for m in caplog.messages if m.startswith("Compiling") and "jit(inner)" in m]
+    assert r.step == 30 and len(steps) == 1, steps
