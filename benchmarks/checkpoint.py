@@ -36,9 +36,9 @@ state); and the peak growth of this process's resident memory during each save
 and restore (sampled every 2 ms), against the state's size.
 
 ``--busy`` commits and restores 4,096 leaves beside a thread busy running Python,
-with loopkit's switch interval during checkpoint I/O and with Python's; ``--gc``
-does so alone, with loopkit's garbage-collector threshold and with Python's
-(`loopkit.plugins.io_settings`).
+with the opt-in tuning's switch interval and with Python's; ``--gc`` does so alone,
+with the tuning's garbage-collector threshold and with Python's
+(`loopkit.plugins.checkpoint.checkpoint_io_tuning`, entered around each operation).
 """
 
 from __future__ import annotations
@@ -63,8 +63,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from loopkit.pytree import abstract  # noqa: E402
-from loopkit.plugins.npz_backend import NpzBackend  # noqa: E402
-from loopkit.plugins.orbax_backend import OrbaxBackend  # noqa: E402
+from loopkit.plugins.checkpoint.backends.npz import NpzBackend  # noqa: E402
+from loopkit.plugins.checkpoint.backends.orbax import OrbaxBackend  # noqa: E402
 
 
 def make_state(mb: int) -> dict:
@@ -332,12 +332,12 @@ def busy(args) -> None:
 
     The thread stands for a training loop or an input pipeline that holds the GIL;
     each checkpoint call that releases the GIL waits up to the switch interval to get
-    it back. Each backend with loopkit's 0.2 ms interval during its I/O
-    (`io_settings.checkpoint_io`), then with Python's default kept (5 ms).
+    it back. Each backend with the opt-in tuning's 0.2 ms interval around its I/O
+    (`checkpoint_io_tuning`), then with Python's default kept (5 ms).
     """
     import threading
 
-    from loopkit.plugins import io_settings
+    from loopkit.plugins.checkpoint import io_tuning
 
     rng = np.random.default_rng(0)
     leaves, n = 4096, 128 * 2**20 // 4 // 4096
@@ -361,8 +361,7 @@ def busy(args) -> None:
             backend = cls(root / name)
             backend.save(0, state, {})  # warm-up
             backend.wait()
-            for interval in (io_settings.SWITCH_INTERVAL, sys.getswitchinterval()):
-                saved, io_settings.SWITCH_INTERVAL = io_settings.SWITCH_INTERVAL, interval
+            for interval in (io_tuning.SWITCH_INTERVAL, sys.getswitchinterval()):
                 row = []
                 for op in ("commit", "restore"):
                     for loaded in (False, True):
@@ -371,18 +370,18 @@ def busy(args) -> None:
                         if loaded:
                             thread.start()
                         t = time.perf_counter()
-                        if op == "commit":
-                            backend.save(1, state, {})
-                            backend.wait()
-                        else:
-                            jax.block_until_ready(backend.restore(1, state)[0])
+                        with io_tuning.checkpoint_io_tuning(switch_interval=interval):
+                            if op == "commit":
+                                backend.save(1, state, {})
+                                backend.wait()
+                            else:
+                                jax.block_until_ready(backend.restore(1, state)[0])
                         row.append(time.perf_counter() - t)
                         stop.set()
                         if loaded:
                             thread.join()
                         if op == "commit" and not loaded:
                             backend.delete(1)
-                io_settings.SWITCH_INTERVAL = saved
                 backend.delete(1)
                 print(f"| {name} | {interval * 1e3:g} ms | " +
                       " | ".join(f"{v:.2f} s" for v in row) + " |", flush=True)
@@ -395,14 +394,14 @@ def gc_cost(args) -> None:
     """Commit and restore of 4,096 leaves with loopkit's collector threshold and Python's.
 
     A model's shape: 2,048 layers of a weight and a bias (128 MiB). Each repeat runs
-    every backend twice, paired: with the collector's first threshold at loopkit's
-    `io_settings.GC_THRESHOLD` during checkpoint I/O and at Python's 700, in turns
-    first; the time
+    every backend twice, paired: with the collector's first threshold at the opt-in
+    tuning's `io_tuning.GC_THRESHOLD` around checkpoint I/O and at Python's 700, in
+    turns first; the time
     the collector itself took (`gc.callbacks`) is shown beside each.
     """
     import gc
 
-    from loopkit.plugins import io_settings
+    from loopkit.plugins.checkpoint import io_tuning
 
     rng = np.random.default_rng(0)
     leaves, n = 4096, 128 * 2**20 // 4 // 4096
@@ -419,7 +418,7 @@ def gc_cost(args) -> None:
         else:
             spent[0] += time.perf_counter() - spent[1]
 
-    ours, python = io_settings.GC_THRESHOLD, gc.get_threshold()[0]
+    ours, python = io_tuning.GC_THRESHOLD, gc.get_threshold()[0]
     res: dict[tuple[str, int, str], list[tuple[float, float]]] = {}
     gc.callbacks.append(clock)
     try:
@@ -430,22 +429,21 @@ def gc_cost(args) -> None:
             step = 0
             for r in range(args.repeats):
                 for threshold in ((ours, python) if r % 2 == 0 else (python, ours)):
-                    io_settings.GC_THRESHOLD = threshold
                     step += 1
                     for op in ("commit", "restore"):
                         spent[0] = 0.0
                         t = time.perf_counter()
-                        if op == "commit":
-                            backend.save(step, state, {})
-                            backend.wait()
-                        else:
-                            jax.block_until_ready(backend.restore(step, like)[0])
+                        with io_tuning.checkpoint_io_tuning(gc_threshold=threshold):
+                            if op == "commit":
+                                backend.save(step, state, {})
+                                backend.wait()
+                            else:
+                                jax.block_until_ready(backend.restore(step, like)[0])
                         res.setdefault((name, threshold, op), []).append(
                             (time.perf_counter() - t, spent[0]))
                     backend.delete(step)
             backend.close()
     finally:
-        io_settings.GC_THRESHOLD = ours
         gc.callbacks.remove(clock)
         shutil.rmtree(root, ignore_errors=True)
     print(f"\n4,096 leaves, 128 MiB: seconds (of them in the collector), median of {args.repeats}")

@@ -53,9 +53,9 @@ def main() -> None:
     import jax.numpy as jnp
     import s3fs
 
-    from loopkit.plugins.npz_backend import NpzBackend
-    from loopkit.plugins.orbax_backend import OrbaxBackend
-    from loopkit.plugins.staged_backend import StagedBackend
+    from loopkit.plugins.checkpoint.backends.npz import NpzBackend
+    from loopkit.plugins.checkpoint.backends.orbax import OrbaxBackend
+    from loopkit.plugins.checkpoint.backends.staged import StagedBackend
 
     bucket = f"bench-{uuid.uuid4().hex[:8]}"
     boto3.client("s3").create_bucket(Bucket=bucket)

@@ -46,7 +46,7 @@ _LAZY = {
     "latest_checkpoint": "loopkit.plugins.checkpoint",
     "load_checkpoint": "loopkit.plugins.checkpoint",
     "checkpoints_iterator": "loopkit.plugins.checkpoint",
-    "from_pretrained": "loopkit.plugins.init",
+    "from_pretrained": "loopkit.plugins.checkpoint",
 }
 
 

@@ -15,11 +15,15 @@ PyTree = Any
 class CheckpointBackend(Protocol):
     """Stores states by step in one directory. Built-ins: ``"orbax"``, ``"npz"``.
 
-    A plugin adds one through the `checkpoint_backend` hook (and names it in
-    `checkpoint_backend_names`, so the checkpoint helpers find what it wrote;
-    they reach checkpoints only through these methods). ``save`` may return
-    before the data is durable (asynchronous); it must be atomic: a save that did
-    not complete is never listed by ``steps``.
+    A plugin adds one through the `checkpoint_backend` hook. The logdir records
+    the name a run's backend was built by, so the checkpoint helpers build it
+    again through that hook and find what it wrote (naming it in the optional
+    `checkpoint_backend_names` also finds it where nothing is recorded); they
+    reach checkpoints only through these methods. ``save`` may return before the
+    data is durable (asynchronous); it must be atomic: a save that did not
+    complete is never listed by ``steps``. The first six methods are the
+    protocol; ``path``, ``structure`` and ``restore_leaves`` are optional (the
+    helpers fall back on the six without them).
     """
 
     def save(self, step: int, state: PyTree, metadata: dict) -> None:

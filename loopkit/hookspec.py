@@ -130,13 +130,15 @@ def checkpoint_backend(name: str, directory: Path | str,
 
 @hookspec
 def checkpoint_backend_names() -> list[str]:
-    """The backend names this plugin's `checkpoint_backend` implementation provides.
+    """The backend names this plugin's `checkpoint_backend` implementation provides; optional.
 
     Called by the helpers that read checkpoints outside a run (`load_checkpoint`,
     `latest_checkpoint`, `checkpoints_iterator`, `from_pretrained`, ``loopkit
-    checkpoints``): they build each named backend for a directory and ask it which
-    steps it holds, so checkpoints a plugin's backend wrote are found and read by
-    that backend.
+    checkpoints``): besides the backend whose name the logdir records (which the
+    `checkpoint` plugin writes beside the ``checkpoint`` file), they build each
+    named backend for a directory and ask it which steps it holds. Not needed for
+    a logdir a named backend wrote; it finds what was written otherwise (by a
+    backend instance, or before the name was recorded).
     """
 
 

@@ -143,10 +143,11 @@ class PluginManager(pluggy.PluginManager):
 
 
 def _module_hooks(module: Any) -> list[str]:
-    """The hooks implemented by the plugin classes defined in `module`."""
+    """The hooks implemented by the plugin classes defined in `module` (or its package)."""
     hooks = set()
     for obj in vars(module).values():
-        if inspect.isclass(obj) and obj.__module__ == module.__name__:
+        if inspect.isclass(obj) and (obj.__module__ == module.__name__
+                                     or obj.__module__.startswith(module.__name__ + ".")):
             hooks.update(n for n, v in vars(obj).items() if hasattr(v, "loopkit_impl"))
     return sorted(hooks)
 

@@ -69,8 +69,9 @@ def _check_metrics(metrics: Any) -> None:
         if not isinstance(name, str):
             raise TypeError(f"the step's metrics must be keyed by names (str); it returned the "
                             f"key {name!r} ({type(name).__name__})")
-        if not (hasattr(value, "shape") and hasattr(value, "dtype")
-                or isinstance(value, (bool, int, float))):
+        # containers are the mistake (one metric per name); a scalar, an array, a
+        # string (a text summary) or an object with __jax_array__ (jit=False) is fine
+        if isinstance(value, (Mapping, list, tuple)) or value is None:
             raise TypeError(
                 f"the step's metric {name!r} must be a scalar (or an array); it is "
                 f"{describe(value)}: return one metric per name, e.g. {{\"loss/a\": a, "

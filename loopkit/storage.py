@@ -5,9 +5,9 @@ rename). A URL goes through fsspec, whose filesystems take credentials and
 endpoints from each service's standard environment (``AWS_ENDPOINT_URL``,
 ``AWS_ACCESS_KEY_ID``, ...; Google's application default credentials and
 ``STORAGE_EMULATOR_HOST``). On an object store there is neither rename nor
-fsync: one object's write is atomic, and a tree of objects is committed by a
-marker object written after the last of them (`MARKER`, the name orbax itself
-uses on GCS). See docs/storage.md.
+fsync: one object's write is atomic; how a tree of objects is committed is the
+business of whoever writes it (the checkpoint plugin's staged backend writes a
+marker object last). See docs/storage.md.
 """
 
 from __future__ import annotations
@@ -22,13 +22,10 @@ from typing import Any
 from loopkit.fs import atomic_write_bytes
 
 __all__ = [
-    "MARKER", "Mirror", "check_url", "exists", "filesystem", "is_dir", "is_url", "join",
-    "list_names", "makedirs", "name_of", "normalise", "parent", "read_bytes", "refuse_url", "remove",
+    "Mirror", "check_url", "exists", "filesystem", "is_dir", "is_url", "join",
+    "list_names", "makedirs", "name_of", "normalise", "parent", "read_bytes", "remove",
     "size_and_mtime", "upload_tree", "write_atomic",
 ]
-
-#: the object that commits a tree of objects (a directory checkpoint) on a URL
-MARKER = "commit_success.txt"
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 #: scheme -> (the extra that brings its client, the modules it needs)
@@ -122,15 +119,6 @@ def _import_extra(url: str, field: str, scheme: str) -> None:
             + f": install the extra jax-loopkit[{extra}] (pip install 'jax-loopkit[{extra}]')"
             + (f" ({type(broken).__name__}: {broken})" if broken is not None else ""))
         raise err from broken
-
-
-def refuse_url(directory: Any, who: str) -> None:
-    """Fail clearly when a backend that writes local files is handed a URL."""
-    if is_url(directory):
-        raise ValueError(
-            f"{who} writes local files and was given the URL {directory!r}: build it through "
-            "loopkit.plugins.staged_backend.local_or_staged(directory, basename, make), which "
-            "stages it locally and uploads (docs/storage.md)")
 
 
 def filesystem(url: str) -> tuple[Any, str]:

@@ -1,4 +1,5 @@
-"""loopkit's built-in plugins, one module each; see `loopkit.manager.BUILTINS`.
+"""loopkit's built-in plugins, one module each, or a subpackage for one that needs several
+(`checkpoint`); see `loopkit.manager.BUILTINS`.
 
 Each module has ``plugin(config)`` returning the plugin object to register for a
 session, or None when the config leaves it inactive (its ``INACTIVE`` says why).

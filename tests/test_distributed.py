@@ -160,9 +160,9 @@ def test_a_lagging_view_waits_for_the_chiefs_checkpoint(tmp_path):
     import threading
 
     import loopkit
-    from loopkit.plugins.checkpoint_ledger import Ledger
-    from loopkit.plugins.checkpoint_restore import _wait_until_visible
-    from loopkit.plugins.npz_backend import NpzBackend
+    from loopkit.plugins.checkpoint.retention import Ledger
+    from loopkit.plugins.checkpoint.recovery import _wait_until_visible
+    from loopkit.plugins.checkpoint.backends.npz import NpzBackend
 
     ledger = Ledger(tmp_path, loopkit.Config(logdir=str(tmp_path)))
     writer = NpzBackend(tmp_path)

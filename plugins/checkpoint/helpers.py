@@ -1,26 +1,31 @@
-"""Helpers for scripts around a run: find, load, follow and list checkpoints.
+"""Helpers for scripts around a run: find, load, follow, list and initialise from checkpoints.
 
-Re-exported as `loopkit.latest_checkpoint`, `loopkit.load_checkpoint` and
-`loopkit.checkpoints_iterator`; `describe_checkpoints` backs `loopkit checkpoints`.
+Re-exported as `loopkit.latest_checkpoint`, `loopkit.load_checkpoint`,
+`loopkit.checkpoints_iterator` and `loopkit.from_pretrained`; `describe_checkpoints`
+backs `loopkit checkpoints`. Each finds its checkpoint and backend through `locate`.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import os
+import re
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import jax
+import numpy as np
 
 from loopkit import storage
-from loopkit.plugins.checkpoint_locate import backends, basename_of, locate, recoverable
-from loopkit.plugins.checkpoint_state import checkpoint_path, read_state
-from loopkit.pytree import check_matches, conform
+from loopkit.plugins.checkpoint.locate import backends, basename_of, locate, recoverable
+from loopkit.plugins.checkpoint.tf_file import checkpoint_path, read_state
+from loopkit.pytree import check_matches, conform, leaf_path, shape_dtype
 
 __all__ = [
     "checkpoints_iterator",
     "describe_checkpoints",
+    "from_pretrained",
     "latest_checkpoint",
     "load_checkpoint",
     "place_like",
@@ -157,6 +162,17 @@ def _human_age(secs: float) -> str:
     return f"{secs / 86400:.1f} days ago"
 
 
+def _stored_at(backend: Any, logdir: Path | str, base: str, step: int) -> Path | str:
+    """Where ``backend`` stores ``step``: its `path`, or for a backend with only the six
+    protocol methods, the name ``<base>-<step>`` (with one extension, if so) in `logdir`."""
+    if hasattr(backend, "path"):
+        return backend.path(step)
+    name = f"{base}-{step}"
+    pattern = re.compile(re.escape(name) + r"(\.[A-Za-z0-9]+)?")  # a final name (docs)
+    on_disk = sorted(n for n in storage.list_names(logdir) if pattern.fullmatch(n))
+    return storage.join(logdir, on_disk[0] if on_disk else name)
+
+
 def describe_checkpoints(logdir: str | os.PathLike[str], *,
                          basename: str | None = None) -> list[str]:
     """One line per checkpoint in `logdir`, oldest first: name, step, size, age.
@@ -178,7 +194,7 @@ def describe_checkpoints(logdir: str | os.PathLike[str], *,
         first = recoverable(logdir, found, base)
         listed = {s for s, _ in state.listed} if state is not None else set(found)
         for step in sorted(found):
-            path = found[step].path(step)
+            path = _stored_at(found[step], logdir, base, step)
             try:
                 size, mtime = storage.size_and_mtime(path)
             except FileNotFoundError:  # deleted by retention while we look
@@ -200,3 +216,112 @@ def describe_checkpoints(logdir: str | os.PathLike[str], *,
         f"{a:<{w0}}  {b:<{w1}}  {c:>{w2}}  {d:<{w3}}  {' '.join(m)}".rstrip()
         for a, b, c, d, m in rows
     ]
+
+
+# -- initialising from a pretrained checkpoint ------------------------------------------
+
+def _resolve(logdir_or_path: str | os.PathLike[str]) -> tuple[Any, int, str]:
+    """(backend, step, path) for a logdir (its latest checkpoint) or a checkpoint path."""
+    found = locate(storage.normalise(logdir_or_path, "logdir_or_path"))
+    return found.backend, found.step, found.where
+
+
+def _leaves_of(backend: Any, step: int) -> tuple[dict[str, Any], Callable[[list[str]], dict]]:
+    """(leaf path -> shape and dtype, a reader of chosen leaves) of a checkpoint.
+
+    From `structure` and `restore_leaves` when the backend has them (only the
+    chosen leaves are read); else, for a backend with only the six protocol
+    methods, from one whole `restore`.
+    """
+    if hasattr(backend, "structure") and hasattr(backend, "restore_leaves"):
+        return backend.structure(step), lambda paths: backend.restore_leaves(step, paths)
+    state, _ = backend.restore(step, None)
+    flat = {leaf_path(kp): x for kp, x in jax.tree_util.tree_flatten_with_path(state)[0]}
+    return ({p: jax.ShapeDtypeStruct(*shape_dtype(x)) for p, x in flat.items()},
+            lambda paths: {p: flat[p] for p in paths})
+
+
+def _renamed(path: str, rename: Mapping[str, str]) -> str:
+    # the longest matching prefix wins; a prefix matches whole path components only
+    for old in sorted(rename, key=len, reverse=True):
+        if path == old or path.startswith(old.rstrip("/") + "/"):
+            return rename[old].rstrip("/") + path[len(old.rstrip("/")):]
+    return path
+
+
+def from_pretrained(
+    logdir_or_path: str | os.PathLike[str],
+    *,
+    include: Sequence[str] | None = None,
+    exclude: Sequence[str] | None = None,
+    rename: Mapping[str, str] | None = None,
+) -> Callable[[PyTree], PyTree]:
+    """An `init_fn` that loads chosen leaves of a pretrained checkpoint into the fresh state.
+
+    A leaf's path is its keys joined by ``/`` (``params/encoder/kernel``; sequence
+    indices as numbers). `include`/`exclude` are `fnmatch` patterns over checkpoint
+    paths (default: everything); `rename` maps a checkpoint path prefix to a prefix in
+    the fresh state (``{"params/encoder": "params/backbone"}``). Leaves not chosen keep
+    their fresh values. Only the chosen arrays are read. A chosen leaf with no
+    counterpart in the fresh state, or with another shape or dtype, raises
+    `ValueError` naming its checkpoint path and its path in the fresh state.
+
+    Like the Supervisor's ``init_fn``, it runs only when the run has no checkpoint of
+    its own: ``loopkit.train(..., init_fn=loopkit.from_pretrained("runs/pretrain",
+    include=["params/encoder/*"]))``.
+    """
+    include = list(include) if include is not None else None
+    exclude = list(exclude or ())
+    rename = dict(rename or {})
+    for name, value in (("include", include), ("exclude", exclude)):
+        if value is not None and not all(isinstance(p, str) for p in value):
+            raise ValueError(f"from_pretrained: {name}={value!r} must be a list of patterns")
+
+    def init_fn(state: PyTree) -> PyTree:
+        backend, step, where = _resolve(logdir_or_path)
+        try:
+            stored, read_leaves = _leaves_of(backend, step)
+            chosen = [
+                p for p in stored
+                if (include is None or any(fnmatch.fnmatchcase(p, pat) for pat in include))
+                and not any(fnmatch.fnmatchcase(p, pat) for pat in exclude)
+            ]
+            if not chosen:
+                raise ValueError(
+                    f"from_pretrained: include={include!r} exclude={exclude!r} choose no leaf "
+                    f"of {where}; its leaves are: {', '.join(sorted(stored)) or 'none'}"
+                )
+            keypaths, treedef = jax.tree_util.tree_flatten_with_path(state)
+            fresh = {leaf_path(kp): (i, leaf) for i, (kp, leaf) in enumerate(keypaths)}
+            targets: dict[str, str] = {}
+            problems = []
+            for p in chosen:
+                q = _renamed(p, rename)
+                if q not in fresh:
+                    problems.append(f"  {p} (in the fresh state: {q}): no such leaf")
+                    continue
+                want = stored[p]
+                leaf = fresh[q][1]
+                shape, dtype = shape_dtype(leaf)
+                if tuple(want.shape) != shape or np.dtype(want.dtype) != dtype:
+                    problems.append(
+                        f"  {p} (in the fresh state: {q}): checkpoint has shape "
+                        f"{tuple(want.shape)} dtype {np.dtype(want.dtype)}, the fresh state "
+                        f"shape {shape} dtype {dtype}"
+                    )
+                targets[q] = p
+            if problems:
+                raise ValueError(
+                    f"from_pretrained({where!r}) cannot load these leaves:\n" + "\n".join(problems)
+                )
+            values = read_leaves(chosen)
+        finally:
+            backend.close()
+        leaves = [leaf for _, leaf in keypaths]
+        for q, p in targets.items():
+            i, leaf = fresh[q]
+            sharding = getattr(leaf, "sharding", None)
+            leaves[i] = jax.device_put(values[p], sharding) if sharding is not None else values[p]
+        return jax.tree_util.tree_unflatten(treedef, leaves)
+
+    return init_fn

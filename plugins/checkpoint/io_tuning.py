@@ -1,4 +1,11 @@
-"""The interpreter's settings while checkpoint I/O runs: quick thread switches, rare collections.
+"""An opt-in tuning of the interpreter for checkpoint I/O: quick thread switches, rare collections.
+
+loopkit never changes these settings by itself: they are process-wide, and a
+training script's other threads and libraries see them too. `checkpoint_io_tuning`
+is a context manager for the user who wants them, around a run or a load:
+
+    with loopkit.plugins.checkpoint.checkpoint_io_tuning():
+        loopkit.train(...)
 
 A checkpoint of thousands of leaves is thousands of small operations in Python, and
 two of the interpreter's defaults made it several times slower than its work:
@@ -17,7 +24,7 @@ two of the interpreter's defaults made it several times slower than its work:
   (``benchmarks/checkpoint.py --gc``, benchmarks/README.md). Cycles are still
   collected: a young collection after 50,000 container allocations instead of 700.
 
-`checkpoint_io` sets both while a save or restore runs, and gives them back after.
+`checkpoint_io_tuning()` sets both for as long as it is entered, and gives them back after.
 """
 
 from __future__ import annotations
@@ -28,10 +35,10 @@ import sys
 import threading
 from typing import Iterator
 
-__all__ = ["GC_THRESHOLD", "SWITCH_INTERVAL", "checkpoint_io"]
+__all__ = ["GC_THRESHOLD", "SWITCH_INTERVAL", "checkpoint_io_tuning"]
 
-SWITCH_INTERVAL = 2e-4  # seconds: Python's thread switch interval while checkpoint I/O runs
-GC_THRESHOLD = 50_000  # the collector's first threshold meanwhile (Python's default: 700)
+SWITCH_INTERVAL = 2e-4  # seconds: the thread switch interval it sets (Python's default: 5 ms)
+GC_THRESHOLD = 50_000  # the collector's first threshold it sets (Python's default: 700)
 
 _lock = threading.Lock()
 _state: list = []  # [settings before, settings set, uses in flight] while in use
@@ -42,22 +49,24 @@ def _settings() -> tuple[float, tuple[int, ...]]:
 
 
 @contextlib.contextmanager
-def checkpoint_io() -> Iterator[None]:
-    """Lower the switch interval to `SWITCH_INTERVAL`, raise the collector's first
-    threshold to `GC_THRESHOLD`, meanwhile.
+def checkpoint_io_tuning(*, switch_interval: float = SWITCH_INTERVAL,
+                         gc_threshold: int = GC_THRESHOLD) -> Iterator[None]:
+    """Lower the thread switch interval to `switch_interval` seconds and raise the
+    collector's first threshold to `gc_threshold`, while entered; opt-in.
 
     Settings of the user's that already go further (a lower interval, a higher
     threshold, a threshold of 0: automatic collection off) are left alone. Nested
-    and concurrent uses share one change; the last to end gives back each setting
-    as it was before, unless something else changed it meanwhile.
+    and concurrent uses share one change (the first one's values); the last to end
+    gives back each setting as it was before, unless something else changed it
+    meanwhile. Also a decorator: ``@checkpoint_io_tuning()``.
     """
     with _lock:
         if not _state:
             before = _settings()
-            if before[0] > SWITCH_INTERVAL:
-                sys.setswitchinterval(SWITCH_INTERVAL)
-            if 0 < before[1][0] < GC_THRESHOLD:
-                gc.set_threshold(GC_THRESHOLD, *before[1][1:])
+            if before[0] > switch_interval:
+                sys.setswitchinterval(switch_interval)
+            if 0 < before[1][0] < gc_threshold:
+                gc.set_threshold(gc_threshold, *before[1][1:])
             _state[:] = [before, _settings(), 0]
         _state[2] += 1
     try:

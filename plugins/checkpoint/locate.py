@@ -1,10 +1,16 @@
 """Finding a checkpoint and the backend that reads it, for the helpers and the CLI.
 
 Everything goes through the backend protocol: a logdir's checkpoints are the steps
-its backends list (every backend named by a plugin's `checkpoint_backend_names`,
-built by the `checkpoint_backend` hook), and a checkpoint that is not in a logdir
-(an orbax save under any name, an orbax `CheckpointManager` directory, safetensors
-files) is read by a read-only backend over that path.
+its backends list, each built by the `checkpoint_backend` hook: first the backend
+whose name the logdir records (``checkpoint_backend.json``, written by the
+`checkpoint` plugin), then every backend a plugin names in the optional
+`checkpoint_backend_names`. A checkpoint that is not in a logdir (an orbax save
+under any name, an orbax `CheckpointManager` directory, safetensors files) is read
+by a read-only backend over that path (`readers`).
+
+A directory is a logdir first: one named like a checkpoint (``trial-0``,
+``seed-42``) is read as the checkpoint ``<basename>-<step>`` of its parent only
+when it holds no checkpoint of its own.
 """
 
 from __future__ import annotations
@@ -16,8 +22,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from loopkit import storage
-from loopkit.plugins.checkpoint_state import (
-    DEFAULT_BASENAME, checkpoint_path, read_state, recovery_order,
+from loopkit.plugins.checkpoint.tf_file import (
+    DEFAULT_BASENAME, checkpoint_path, read_backend_name, read_state, recovery_order,
 )
 
 __all__ = ["Backends", "FORMATS", "Located", "locate"]
@@ -32,10 +38,11 @@ FORMATS = (
 
 
 class Backends:
-    """Every backend a plugin names, built for one directory and basename.
+    """Every backend that may have written one directory, built for it and a basename.
 
-    Plugins' backends come first (a plugin may override a built-in name); a step
-    belongs to the first backend that lists it.
+    The backend whose name the directory records comes first, then those plugins
+    name (plugins' before the built-ins: a plugin may override a built-in name); a
+    step belongs to the first backend that lists it.
     """
 
     def __init__(self, directory: Path | str, basename: str) -> None:
@@ -44,7 +51,8 @@ class Backends:
 
         config = Config(logdir=str(directory), checkpoint_basename=basename)
         pm = make_plugin_manager(config)
-        self.names: list[str] = []
+        recorded = read_backend_name(directory)
+        self.names: list[str] = [recorded] if recorded is not None else []
         for names in pm.hook.checkpoint_backend_names():
             self.names += [n for n in names if n not in self.names]
         self.backends: list[tuple[str, Any]] = []
@@ -111,7 +119,7 @@ def _in_logdir(directory: Path | str, basename: str, step: int | None) -> Locate
 
 def _manager_item(step_dir: Path) -> Path | None:
     """The one orbax PyTree item of a `CheckpointManager` step directory."""
-    from loopkit.plugins.orbax_reader import is_orbax_tree
+    from loopkit.plugins.checkpoint.backends.orbax_layout import is_orbax_tree
 
     if is_orbax_tree(step_dir):
         return step_dir
@@ -125,10 +133,10 @@ def _manager_item(step_dir: Path) -> Path | None:
 
 def _foreign(target: Path) -> Located | None:
     """A read-only backend for what another library wrote at ``target``."""
-    from loopkit.plugins.orbax_reader import OrbaxCheckpoint
+    from loopkit.plugins.checkpoint.readers.orbax import OrbaxCheckpoint
 
     if target.is_file() and target.name.endswith(".safetensors"):
-        from loopkit.plugins.safetensors_reader import SafetensorsCheckpoint
+        from loopkit.plugins.checkpoint.readers.safetensors import SafetensorsCheckpoint
 
         return Located(SafetensorsCheckpoint([target]), 0, str(target))
     if not target.is_dir():
@@ -145,7 +153,7 @@ def _foreign(target: Path) -> Located | None:
             return Located(OrbaxCheckpoint(item, step), step, str(item))
     files = sorted(target.glob("*.safetensors"))
     if files:
-        from loopkit.plugins.safetensors_reader import SafetensorsCheckpoint
+        from loopkit.plugins.checkpoint.readers.safetensors import SafetensorsCheckpoint
 
         return Located(SafetensorsCheckpoint(files, target), 0, str(target))
     return None
@@ -170,13 +178,13 @@ def locate(target: Path | str) -> Located:
     are not (download them first).
     """
     name, url = storage.name_of(target), storage.is_url(target)
+    if url or target.is_dir():  # a logdir first, even one named like a checkpoint (trial-0)
+        found = _in_logdir(target, basename_of(target, None), None)
+        if found is not None:
+            return found
     m = re.fullmatch(r"(.+)-(0|[1-9][0-9]*)(\.[A-Za-z0-9]+)?", name)
     if m is not None and not name.endswith(".safetensors"):
         found = _in_logdir(storage.parent(target), m.group(1), int(m.group(2)))
-        if found is not None:
-            return found
-    if url or target.is_dir():
-        found = _in_logdir(target, basename_of(target, None), None)
         if found is not None:
             return found
     found = None if url else _foreign(target)

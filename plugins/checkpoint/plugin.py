@@ -4,11 +4,13 @@ Saves run on the shared timer (`save_model_secs` / `save_model_steps`) and once
 more at a normal stop. A save is started from the main thread (the backend may
 write asynchronously); a commit thread of this plugin then waits for it to be
 durable and only then, on the chief, rewrites ``logdir/checkpoint`` and applies
-retention (`checkpoint_ledger.Ledger`). At most one save is in flight: the next
-save, and the stop, first wait for the previous commit. An error while
-committing stops the run and is re-raised from `train`. Recovery is in
-`checkpoint_restore`. How long each save held the loop is written beside the
-metrics as ``loopkit/checkpoint_blocking_secs``.
+retention (`retention.Ledger`; the first publish also records the backend's name
+beside the file, `tf_file.write_backend_name`). At most one save is in flight: the
+next save, and the stop, first wait for the previous commit. An error while
+committing stops the run and is re-raised from `train`. Recovery at start-up is
+`recovery.find_restorable`, in the order `tf_file.recovery_order` gives. How long
+each save held the loop is written beside the metrics as
+``loopkit/checkpoint_blocking_secs``.
 """
 
 from __future__ import annotations
@@ -28,28 +30,14 @@ from loopkit.coordinator import add_note
 from loopkit.errors import CheckpointError
 from loopkit.hookspec import hookimpl
 from loopkit.pytree import check_storable
-from loopkit.plugins.checkpoint_helpers import (
-    checkpoints_iterator,
-    describe_checkpoints,
-    latest_checkpoint,
-    load_checkpoint,
-    place_like,
-)
-from loopkit.plugins.checkpoint_ledger import Ledger
-from loopkit.plugins.checkpoint_replicas import agree_to_save, host_copies
-from loopkit.plugins.checkpoint_restore import find_restorable
-from loopkit.plugins.checkpoint_state import CheckpointState, checkpoint_path, encode_position
-from loopkit.plugins.io_settings import checkpoint_io
+from loopkit.plugins.checkpoint.helpers import place_like
+from loopkit.plugins.checkpoint.position import encode_position
+from loopkit.plugins.checkpoint.recovery import find_restorable
+from loopkit.plugins.checkpoint.replicas import agree_to_save, host_copies
+from loopkit.plugins.checkpoint.retention import Ledger
+from loopkit.plugins.checkpoint.tf_file import CheckpointState, checkpoint_path
 
-__all__ = [
-    "BUILTIN_BACKENDS",
-    "CheckpointPlugin",
-    "checkpoints_iterator",
-    "describe_checkpoints",
-    "latest_checkpoint",
-    "load_checkpoint",
-    "plugin",
-]
+__all__ = ["BUILTIN_BACKENDS", "INACTIVE", "CheckpointPlugin", "plugin"]
 
 log = logging.getLogger("loopkit")
 
@@ -146,12 +134,12 @@ class CheckpointPlugin:
     def checkpoint_backend(self, name: str, directory: Path | str, config: Config) -> Any:
         basename = config.checkpoint_basename
         if name == "orbax":
-            from loopkit.plugins.orbax_backend import OrbaxBackend as make
+            from loopkit.plugins.checkpoint.backends.orbax import OrbaxBackend as make
         elif name == "npz":
-            from loopkit.plugins.npz_backend import NpzBackend as make
+            from loopkit.plugins.checkpoint.backends.npz import NpzBackend as make
         else:
             return None
-        from loopkit.plugins.staged_backend import local_or_staged
+        from loopkit.plugins.checkpoint.backends.staged import local_or_staged
 
         # under a URL: staged on local disk, uploaded when committed
         return local_or_staged(directory, basename, lambda d: make(d, basename, config))
@@ -175,7 +163,8 @@ class CheckpointPlugin:
             self._owns_backend = True
         else:
             backend = spec
-        self.backend, self.ledger = backend, Ledger(logdir, self.config)
+        name = spec if isinstance(spec, str) else None  # recorded for the helpers
+        self.backend, self.ledger = backend, Ledger(logdir, self.config, name)
         self._file = self.ledger.load(backend.steps())
         return backend, self.ledger
 
@@ -189,9 +178,8 @@ class CheckpointPlugin:
     def restore_state(self, session: Any, like: PyTree) -> Restored | None:
         backend, ledger = self._open(session)
         state = self._file
-        with checkpoint_io():  # (any backend's: see io_settings)
-            found = find_restorable(backend, ledger, state, place_like(like), self._path,
-                                    self.config.recovery_wait_secs)
+        found = find_restorable(backend, ledger, state, place_like(like), self._path,
+                                self.config.recovery_wait_secs)
         ledger.adopt(None if found is None else found.step, state)
         if found is None:
             return None
@@ -211,7 +199,6 @@ class CheckpointPlugin:
         if secs or steps:
             session.every(self._save, secs=secs, steps=steps, name="checkpoint")
 
-    @checkpoint_io()  # the staging, fingerprints and save of any backend: see io_settings
     def _save(self, session: Any) -> None:
         """Start saving the current state (the timer action, and the final save)."""
         t0 = time.perf_counter()

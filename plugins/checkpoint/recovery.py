@@ -16,11 +16,12 @@ import jax
 import numpy as np
 
 from loopkit.errors import CheckpointError
-from loopkit.plugins.checkpoint_state import CheckpointState, decode_position, recovery_order
+from loopkit.plugins.checkpoint.position import decode_position
+from loopkit.plugins.checkpoint.tf_file import CheckpointState, recovery_order
 
 if TYPE_CHECKING:
     from loopkit.checkpoint import CheckpointBackend
-    from loopkit.plugins.checkpoint_ledger import Ledger
+    from loopkit.plugins.checkpoint.retention import Ledger
 
 __all__ = ["Found", "find_restorable"]
 

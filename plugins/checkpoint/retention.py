@@ -1,9 +1,10 @@
-"""What a logdir holds and names: committed checkpoints, the `checkpoint` file, retention.
+"""Retention: which committed checkpoints a logdir keeps, and the list its `checkpoint` file holds.
 
 `Ledger` keeps tf.train.Saver's rules in one place: the ``checkpoint`` file lists
 checkpoints in save order; past `max_to_keep`, the oldest leave the list and the
 disk, except one every `keep_checkpoint_every_n_hours`, which leaves the list
-but stays on disk. Only the chief writes the file.
+but stays on disk. Only the chief writes the file; the first time it does in a
+session, it records the backend's name beside it (`tf_file.write_backend_name`).
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Iterable
 
-from loopkit.plugins.checkpoint_state import CheckpointState, read_state, write_state
+from loopkit.plugins.checkpoint.tf_file import (
+    CheckpointState, read_state, write_backend_name, write_state,
+)
 
 if TYPE_CHECKING:
     import os
@@ -24,8 +27,11 @@ __all__ = ["Ledger"]
 class Ledger:
     """The committed steps of a logdir and the list its `checkpoint` file holds."""
 
-    def __init__(self, logdir: str | os.PathLike[str], config: Config) -> None:
+    def __init__(self, logdir: str | os.PathLike[str], config: Config,
+                 backend_name: str | None = None) -> None:
         self.logdir = logdir
+        #: the name the backend was built by (None: an instance), recorded at the first write
+        self.backend_name = backend_name
         self.basename = config.checkpoint_basename
         self.keep = config.max_to_keep or None  # as tf.train.Saver: 0 or None keeps all
         self.hours = config.keep_checkpoint_every_n_hours
@@ -84,6 +90,9 @@ class Ledger:
         return doomed
 
     def write(self, latest: int | None) -> None:
+        if self.backend_name is not None:  # before the file names a checkpoint it wrote
+            write_backend_name(self.logdir, self.backend_name)
+            self.backend_name = None  # once a session
         write_state(self.logdir, CheckpointState(
             basename=self.basename, latest=latest, listed=list(self.listed),
             last_preserved_timestamp=self.last_preserved if self.hours else None,

@@ -1,4 +1,13 @@
-"""The `checkpoint` file, checkpoint names on disk, and what a checkpoint's metadata holds.
+"""The `checkpoint` file (tf.train's text format), checkpoint names, and the backend's name.
+
+``logdir/checkpoint`` names the latest checkpoint and lists the kept ones
+(`CheckpointState`, `read_state`, `write_state`); `recovery_order` is the order a
+restart tries them in. Beside it, ``logdir/checkpoint_backend.json`` records the
+name of the backend that wrote them (`write_backend_name`), so that the helpers build
+that backend through the `checkpoint_backend` hook: a plugin's backend needs no more
+than the protocol and that hook to be found. (It is a file of its own because
+TensorFlow's reader of the `checkpoint` file, a protobuf text-format parser, fails
+on a field it does not know.)
 
 No backend and no heavy import here: the plugin, the helpers for evaluation
 scripts and the `loopkit checkpoints` command all read a logdir through this.
@@ -6,35 +15,33 @@ scripts and the `loopkit checkpoints` command all read a logdir through this.
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import json
 import logging
 import os
 import re
 from pathlib import Path
-from typing import Any
 
 from loopkit import storage
 
 __all__ = [
+    "BACKEND_FILE",
     "CheckpointState",
     "checkpoint_path",
-    "decode_position",
-    "encode_position",
-    "on_disk",
+    "read_backend_name",
     "read_state",
     "recovery_order",
+    "write_backend_name",
     "write_state",
 ]
 
 log = logging.getLogger("loopkit")
 
 STATE_FILE = "checkpoint"
+#: beside the `checkpoint` file: ``{"checkpoint_backend": "<name>"}``, the backend that wrote
+BACKEND_FILE = "checkpoint_backend.json"
 DEFAULT_BASENAME = "model.ckpt"
 NPZ_EXT = ".npz"
-#: the key that marks base64-encoded bytes inside a JSON input position
-BYTES_KEY = "__loopkit_bytes__"
 
 _LINE = re.compile(r"^\s*([A-Za-z_]\w*)\s*:\s*(.*?)\s*$")
 
@@ -158,29 +165,6 @@ def write_state(logdir: str | os.PathLike[str], state: CheckpointState) -> None:
                          state.to_text().encode("utf-8"))
 
 
-def on_disk(logdir: str | os.PathLike[str], basename: str = DEFAULT_BASENAME) -> dict[int, Path]:
-    """Step -> path of each checkpoint under its final name in `logdir`.
-
-    A final name is ``<basename>-<step>`` with at most one extension: the npz
-    backend's ``model.ckpt-5.npz`` file, orbax's ``model.ckpt-5/`` directory, or
-    a plugin backend's ``model.ckpt-5.ext``. Backends publish a checkpoint by an
-    atomic rename to that name, so a final name means a committed checkpoint;
-    temporary names (orbax's ``model.ckpt-5.orbax-checkpoint-tmp-...``, or any
-    name starting with a dot) never match.
-    """
-    pattern = re.compile(rf"^{re.escape(basename)}-(\d+)(\.[A-Za-z0-9]+)?$")
-    found: dict[int, Path] = {}
-    try:
-        entries = list(os.scandir(logdir))
-    except (FileNotFoundError, NotADirectoryError):
-        return found
-    for entry in entries:
-        m = pattern.match(entry.name)
-        if m is not None:
-            found.setdefault(int(m.group(1)), Path(entry.path))
-    return found
-
-
 def recovery_order(state: CheckpointState | None, committed: list[int] | set[int]) -> list[int]:
     """The steps a restart tries, best first.
 
@@ -194,48 +178,20 @@ def recovery_order(state: CheckpointState | None, committed: list[int] | set[int
     return sorted(committed, reverse=True)
 
 
-# -- the input position, as JSON -----------------------------------------------------
+def write_backend_name(logdir: str | os.PathLike[str], name: str) -> None:
+    """Record, beside the `checkpoint` file, that the backend called ``name`` writes here."""
+    data = json.dumps({"checkpoint_backend": name}).encode("utf-8")
+    storage.write_atomic(storage.join(storage.normalise(logdir), BACKEND_FILE), data)
 
 
-def _to_json(obj: Any, where: str) -> Any:
-    if isinstance(obj, (bytes, bytearray, memoryview)):
-        return {BYTES_KEY: base64.b64encode(bytes(obj)).decode("ascii")}
-    if isinstance(obj, dict):
-        out = {}
-        for k, v in obj.items():
-            if not isinstance(k, str):
-                raise TypeError(f"{where}: key {k!r} is not a str")
-            out[k] = _to_json(v, f"{where}[{k!r}]")
-        return out
-    if isinstance(obj, (list, tuple)):
-        return [_to_json(v, f"{where}[{i}]") for i, v in enumerate(obj)]
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    item = getattr(obj, "item", None)  # numpy scalars
-    if callable(item) and getattr(obj, "shape", None) == ():
-        return _to_json(item(), where)
-    tolist = getattr(obj, "tolist", None)  # numpy arrays
-    if callable(tolist):
-        return _to_json(tolist(), where)
-    raise TypeError(f"{where} is {type(obj).__name__} {obj!r}, which JSON cannot hold")
-
-
-def encode_position(position: Any) -> Any:
-    """The input position as a JSON value; bytes become ``{"__loopkit_bytes__": base64}``.
-
-    Raises `TypeError` naming the part that JSON cannot hold.
-    """
-    value = _to_json(position, "the input position (data.get_state())")
-    json.dumps(value)  # fail here, with the message above, not inside a backend
-    return value
-
-
-def decode_position(value: Any) -> Any:
-    """Undo `encode_position`."""
-    if isinstance(value, dict):
-        if set(value) == {BYTES_KEY}:
-            return base64.b64decode(value[BYTES_KEY])
-        return {k: decode_position(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [decode_position(v) for v in value]
-    return value
+def read_backend_name(logdir: str | os.PathLike[str]) -> str | None:
+    """The backend name recorded in `logdir` (`write_backend_name`); None when there is none."""
+    path = storage.join(storage.normalise(logdir), BACKEND_FILE)
+    try:
+        name = json.loads(storage.read_bytes(path).decode("utf-8")).get("checkpoint_backend")
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except (OSError, ValueError, AttributeError) as ex:
+        log.warning("loopkit: cannot read %s (%s); ignoring it", path, ex)
+        return None
+    return name if isinstance(name, str) and name else None

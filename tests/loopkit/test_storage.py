@@ -119,8 +119,8 @@ def test_memory_url_round_trip(backend):
 
 
 def test_the_staged_backend_lists_only_committed_directories():
-    from loopkit.plugins.orbax_backend import OrbaxBackend
-    from loopkit.plugins.staged_backend import StagedBackend
+    from loopkit.plugins.checkpoint.backends.orbax import OrbaxBackend
+    from loopkit.plugins.checkpoint.backends.staged import MARKER, StagedBackend
 
     url = "memory://loopkit-test-staged"
     storage.remove(url)
@@ -133,7 +133,7 @@ def test_the_staged_backend_lists_only_committed_directories():
         assert backend.steps() == []  # saved locally, not uploaded: not committed
         backend.wait()  # uploads; a writer's first upload removes the partial one
         assert backend.steps() == [3]
-        assert storage.exists(f"{url}/model.ckpt-3/{storage.MARKER}")
+        assert storage.exists(f"{url}/model.ckpt-3/{MARKER}")
         assert not storage.exists(f"{url}/model.ckpt-5")
         backend.save(4, {"w": np.arange(4.0) + 1}, {})
         backend.wait()
@@ -150,8 +150,8 @@ def test_the_staged_backend_lists_only_committed_directories():
 
 
 def test_a_local_file_backend_handed_a_url_says_how_to_stage_it():
-    from loopkit.plugins.npz_backend import NpzBackend
-    from loopkit.plugins.staged_backend import StagedBackend, local_or_staged
+    from loopkit.plugins.checkpoint.backends.npz import NpzBackend
+    from loopkit.plugins.checkpoint.backends.staged import StagedBackend, local_or_staged
 
     with pytest.raises(ValueError, match=r"NpzBackend writes local files and was given the URL "
                                          r"'memory://x/run'.*local_or_staged"):

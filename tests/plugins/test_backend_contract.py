@@ -31,8 +31,8 @@ from hypothesis import strategies as st
 
 import loopkit
 from loopkit.pytree import check_matches, conform
-from loopkit.plugins.npz_backend import NpzBackend
-from loopkit.plugins.orbax_backend import OrbaxBackend
+from loopkit.plugins.checkpoint.backends.npz import NpzBackend
+from loopkit.plugins.checkpoint.backends.orbax import OrbaxBackend
 
 
 def _example_plugin_backend() -> type:

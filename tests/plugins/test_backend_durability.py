@@ -25,12 +25,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from loopkit.plugins.npz_backend import NpzBackend, saving_lock
-from loopkit.plugins.orbax_backend import OrbaxBackend
+from loopkit.plugins.checkpoint.backends.npz import NpzBackend
+from loopkit.plugins.checkpoint.backends.temporaries import saving_lock
+from loopkit.plugins.checkpoint.backends.orbax import OrbaxBackend
 
 BACKENDS = {"npz": NpzBackend, "orbax": OrbaxBackend}
-MODULES = {"npz": "loopkit.plugins.npz_backend:NpzBackend",
-           "orbax": "loopkit.plugins.orbax_backend:OrbaxBackend"}
+MODULES = {"npz": "loopkit.plugins.checkpoint.backends.npz:NpzBackend",
+           "orbax": "loopkit.plugins.checkpoint.backends.orbax:OrbaxBackend"}
 
 _PRELUDE = """
 import importlib, sys

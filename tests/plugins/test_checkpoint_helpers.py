@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import collections
+import json
+import os
 import subprocess
 import sys
 import threading
@@ -14,13 +16,8 @@ import numpy as np
 import pytest
 
 import loopkit
-from loopkit.plugins.checkpoint_state import (
-    CheckpointState,
-    decode_position,
-    encode_position,
-    read_state,
-    write_state,
-)
+from loopkit.plugins.checkpoint.position import decode_position, encode_position
+from loopkit.plugins.checkpoint.tf_file import CheckpointState, read_state, write_state
 
 BACKENDS = ["orbax", "npz"]
 
@@ -199,3 +196,124 @@ def test_input_positions_round_trip_through_json():
                                     "arr": [0, 1]}
     with pytest.raises(TypeError, match=r"input position.*\['f'\]"):
         encode_position({"f": object()})
+
+
+# -- issue 25: what a logdir is, and which backend wrote it ---------------------------
+
+
+@pytest.mark.parametrize("name", ["trial-0", "seed-42", "run-3"])
+def test_a_logdir_named_like_a_checkpoint_is_read_as_a_logdir(tmp_path, name):
+    # a logdir named like <basename>-<step> is not checkpoint 0 of a basename `trial`
+    logdir = os.path.join(tmp_path, name)
+    loopkit.train(lambda s: (s + 1, {}), init=jnp.zeros(()), max_steps=3, logdir=logdir,
+                  progress=False, autoload=False)
+    assert loopkit.latest_checkpoint(logdir) == (3, os.path.join(logdir, "model.ckpt-3"))
+    assert float(loopkit.load_checkpoint(logdir)) == 3.0
+    assert float(loopkit.load_checkpoint(logdir, like=jnp.zeros(()))) == 3.0
+    assert float(loopkit.from_pretrained(logdir)(jnp.zeros(()))) == 3.0
+    # and a checkpoint path inside it is still a checkpoint path
+    assert float(loopkit.load_checkpoint(os.path.join(logdir, "model.ckpt-3"))) == 3.0
+
+
+PROTO_PLUGIN = '''
+import json, os, re
+from pathlib import Path
+import numpy as np
+import loopkit
+from loopkit.fs import atomic_write_bytes, fsync_dir
+from loopkit.pytree import leaves_with_paths
+
+
+class JsonBackend:
+    """The six protocol methods and nothing else: <basename>-<step>.pjson files."""
+
+    def __init__(self, directory, basename):
+        self.directory, self.basename = Path(directory), basename
+
+    def _file(self, step):
+        return self.directory / f"{self.basename}-{step}.pjson"
+
+    def save(self, step, state, metadata):
+        leaves = {p: np.asarray(x).tolist() for p, x in leaves_with_paths(state)}
+        data = json.dumps({"leaves": leaves, "metadata": metadata}).encode()
+        atomic_write_bytes(self._file(step), data)
+
+    def restore(self, step, like):
+        data = json.loads(self._file(step).read_text())
+        state = {}
+        for path, value in data["leaves"].items():
+            *parents, last = path.split("/")
+            node = state
+            for key in parents:
+                node = node.setdefault(key, {})
+            node[last] = np.asarray(value, np.float32)
+        return state, data["metadata"]
+
+    def steps(self):
+        pattern = re.compile(re.escape(self.basename) + r"-(\\d+)\\.pjson")
+        try:
+            names = os.listdir(self.directory)
+        except FileNotFoundError:
+            return []
+        return sorted(int(m.group(1)) for n in names if (m := pattern.fullmatch(n)))
+
+    def delete(self, step):
+        self._file(step).unlink(missing_ok=True)
+        fsync_dir(self.directory)
+
+    def wait(self):
+        pass
+
+    def close(self):
+        pass
+
+
+@loopkit.hookimpl
+def checkpoint_backend(name, directory, config):
+    if name == "pjson":
+        return JsonBackend(directory, config.checkpoint_basename)
+    return None
+'''
+
+
+@pytest.fixture
+def protocol_only_backend(tmp_path, monkeypatch):
+    """An installed plugin (entry point) whose backend has the six methods and the
+    `checkpoint_backend` hook, and no `checkpoint_backend_names`."""
+    site = tmp_path / "site"
+    (site / "loopkit_test_pjson-0.1.dist-info").mkdir(parents=True)
+    (site / "loopkit_test_pjson.py").write_text(PROTO_PLUGIN)
+    info = site / "loopkit_test_pjson-0.1.dist-info"
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: loopkit-test-pjson\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[loopkit]\npjson = loopkit_test_pjson\n")
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.delenv("LOOPKIT_DISABLE_PLUGIN_AUTOLOAD", raising=False)
+    yield
+    sys.modules.pop("loopkit_test_pjson", None)
+
+
+def test_a_backend_with_only_the_protocol_and_the_hook_is_found_by_every_helper(
+        tmp_path, protocol_only_backend, capsys):
+    from loopkit.cli import main
+
+    logdir = tmp_path / "run"
+    init = {"w": jnp.zeros(3), "b": jnp.zeros(2)}
+    loopkit.train(lambda s: (jax.tree.map(lambda x: x + 1, s), {}), init=init, logdir=logdir,
+                  max_steps=4, save_model_steps=2, save_model_secs=None,
+                  checkpoint_backend="pjson", progress=False, disable=("summaries",))
+    assert sorted(p.name for p in logdir.glob("model.ckpt-*")) == [
+        "model.ckpt-2.pjson", "model.ckpt-4.pjson"]
+    assert json.loads((logdir / "checkpoint_backend.json").read_text()) == {
+        "checkpoint_backend": "pjson"}
+    path = str(logdir.absolute() / "model.ckpt-4")
+    assert loopkit.latest_checkpoint(logdir) == (4, path)
+    assert next(loopkit.checkpoints_iterator(logdir, timeout=0)) == (4, path)
+    assert loopkit.load_checkpoint(logdir)["w"].tolist() == [4.0, 4.0, 4.0]
+    assert loopkit.load_checkpoint(logdir / "model.ckpt-2", like=init)["b"].tolist() == [2.0, 2.0]
+    fresh = loopkit.from_pretrained(logdir, include=["w"])({"w": jnp.zeros(3), "b": -jnp.ones(2)})
+    assert fresh["w"].tolist() == [4.0, 4.0, 4.0] and fresh["b"].tolist() == [-1.0, -1.0]
+    capsys.readouterr()
+    assert main(["checkpoints", str(logdir)]) == 0
+    rows = capsys.readouterr().out.splitlines()
+    assert [r.split()[0] for r in rows] == ["model.ckpt-2.pjson", "model.ckpt-4.pjson"]
+    assert "<- latest" in rows[1]

@@ -1,50 +1,132 @@
-"""Checkpoint I/O lowers Python's thread switch interval and raises the garbage collector's
-first threshold while it runs, and gives both back."""
+"""loopkit leaves the interpreter's settings alone while checkpoints are saved and restored;
+`checkpoint_io_tuning()` changes them only for a user who turns it on, and gives them back."""
 
 from __future__ import annotations
 
 import gc
-import itertools
 import sys
 import threading
+import time
 
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
-from loopkit.plugins import io_settings
-from loopkit.plugins.io_settings import GC_THRESHOLD, SWITCH_INTERVAL, checkpoint_io
-from loopkit.plugins.npz_backend import NpzBackend
-from loopkit.plugins.orbax_backend import OrbaxBackend
+import loopkit
+from loopkit.plugins.checkpoint import checkpoint_io_tuning, io_tuning
+from loopkit.plugins.checkpoint.backends.npz import NpzBackend
+from loopkit.plugins.checkpoint.backends.orbax import OrbaxBackend
+from loopkit.plugins.checkpoint.io_tuning import GC_THRESHOLD, SWITCH_INTERVAL
+
+DEFAULTS = (0.005, (700, 10, 10))
 
 
 @pytest.fixture(autouse=True)
 def defaults():
     before = sys.getswitchinterval(), gc.get_threshold()
-    sys.setswitchinterval(0.005)
-    gc.set_threshold(700, 10, 10)
+    sys.setswitchinterval(DEFAULTS[0])
+    gc.set_threshold(*DEFAULTS[1])
     yield
-    assert not io_settings._state  # no use left in force
+    assert not io_tuning._state  # no use left in force
     sys.setswitchinterval(before[0])
     gc.set_threshold(*before[1])
 
 
-def test_both_are_set_inside_and_given_back_after_the_last_of_overlapping_uses():
-    first, second = checkpoint_io(), checkpoint_io()
+class Sampler:
+    """A thread that reads both settings over and over, as a user's thread would see them."""
+
+    def __init__(self) -> None:
+        self.seen: set[tuple[float, tuple[int, ...]]] = set()
+        self.samples = 0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="settings-sampler")
+
+    def _run(self) -> None:
+        while not self._done.is_set():
+            self.seen.add((round(sys.getswitchinterval(), 6), gc.get_threshold()))
+            self.samples += 1
+            time.sleep(0.0005)
+
+    def __enter__(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
+
+
+def wide_state(n: int = 2048) -> dict:
+    """A state of `n` small leaves (an optimiser state of a deep model has thousands)."""
+    return {"layers": [{"w": jnp.full((4,), i, jnp.float32), "b": jnp.zeros((2,))}
+                       for i in range(n // 2)]}
+
+
+@pytest.mark.parametrize("backend", [OrbaxBackend, NpzBackend])
+def test_a_save_and_restore_of_2048_leaves_leave_the_settings_alone(tmp_path, backend):
+    state = wide_state()
+    with Sampler() as sampler:
+        b = backend(tmp_path)
+        try:
+            b.save(1, state, {})
+            b.wait()
+            restored, _ = b.restore(1, state)
+            assert set(b.restore_leaves(1, ["layers/7/w"])) == {"layers/7/w"}
+        finally:
+            b.close()
+    assert float(restored["layers"][1023]["w"][0]) == 1023
+    assert sampler.samples >= 5  # it looked while the save and the restore ran
+    assert sampler.seen == {DEFAULTS}
+
+
+def test_a_run_that_saves_and_resumes_leaves_the_settings_alone(tmp_path):
+    def run(steps: int):
+        return loopkit.train(lambda s: (s, {}), init=wide_state, logdir=tmp_path, jit=False,
+                             checkpoint_backend="orbax", max_steps=steps, save_model_steps=1,
+                             progress=False, disable=("summaries",), autoload=False)
+
+    with Sampler() as sampler:
+        run(1)
+        assert run(2).step == 2  # restored, then saved again
+        loopkit.load_checkpoint(tmp_path)
+    assert sampler.samples >= 5
+    assert sampler.seen == {DEFAULTS}
+
+
+def test_turned_on_it_sets_both_and_gives_them_back():
+    with Sampler() as sampler, checkpoint_io_tuning():
+        assert sys.getswitchinterval() == pytest.approx(SWITCH_INTERVAL, rel=0.01)
+        assert gc.get_threshold() == (GC_THRESHOLD, 10, 10)
+        time.sleep(0.01)
+    assert sys.getswitchinterval() == pytest.approx(DEFAULTS[0], rel=0.05)
+    assert gc.get_threshold() == DEFAULTS[1]
+    assert (round(SWITCH_INTERVAL, 6), (GC_THRESHOLD, 10, 10)) in sampler.seen
+
+
+def test_turned_on_around_a_run_it_holds_for_the_run_and_ends_with_it(tmp_path):
+    with Sampler() as sampler:
+        with checkpoint_io_tuning(switch_interval=0.001, gc_threshold=20_000):
+            loopkit.train(lambda s: (s + 1, {}), init=jnp.zeros(3), logdir=tmp_path,
+                          max_steps=3, progress=False, autoload=False)
+            assert gc.get_threshold()[0] == 20_000
+        assert sys.getswitchinterval() == pytest.approx(DEFAULTS[0], rel=0.05)
+        assert gc.get_threshold() == DEFAULTS[1]
+    assert (0.001, (20_000, 10, 10)) in sampler.seen
+
+
+def test_overlapping_uses_share_one_change_given_back_after_the_last():
+    first, second = checkpoint_io_tuning(), checkpoint_io_tuning()
     first.__enter__()
-    assert sys.getswitchinterval() == pytest.approx(SWITCH_INTERVAL, rel=0.01)
-    assert gc.get_threshold() == (GC_THRESHOLD, 10, 10)
     second.__enter__()
     first.__exit__(None, None, None)
     assert sys.getswitchinterval() == pytest.approx(SWITCH_INTERVAL, rel=0.01)  # one still in use
     assert gc.get_threshold() == (GC_THRESHOLD, 10, 10)
     second.__exit__(None, None, None)
-    assert sys.getswitchinterval() == pytest.approx(0.005, rel=0.05)
-    assert gc.get_threshold() == (700, 10, 10)
+    assert sys.getswitchinterval() == pytest.approx(DEFAULTS[0], rel=0.05)
+    assert gc.get_threshold() == DEFAULTS[1]
 
 
 def test_settings_changed_by_someone_else_meanwhile_are_kept():
-    with checkpoint_io():
+    with checkpoint_io_tuning():
         sys.setswitchinterval(0.001)
         gc.set_threshold(2000, 5, 5)
     assert sys.getswitchinterval() == pytest.approx(0.001, rel=0.05)
@@ -52,9 +134,9 @@ def test_settings_changed_by_someone_else_meanwhile_are_kept():
 
 
 def test_one_setting_changed_meanwhile_does_not_keep_the_other_from_being_given_back():
-    with checkpoint_io():
+    with checkpoint_io_tuning():
         gc.set_threshold(2000, 5, 5)
-    assert sys.getswitchinterval() == pytest.approx(0.005, rel=0.05)
+    assert sys.getswitchinterval() == pytest.approx(DEFAULTS[0], rel=0.05)
     assert gc.get_threshold() == (2000, 5, 5)
 
 
@@ -62,7 +144,7 @@ def test_one_setting_changed_meanwhile_does_not_keep_the_other_from_being_given_
 def test_settings_of_the_users_that_go_further_are_left_alone(threshold):
     sys.setswitchinterval(0.0001)
     gc.set_threshold(*threshold)  # 0: automatic collection off
-    with checkpoint_io():
+    with checkpoint_io_tuning():
         assert sys.getswitchinterval() == pytest.approx(0.0001, rel=0.05)
         assert gc.get_threshold() == threshold
     assert sys.getswitchinterval() == pytest.approx(0.0001, rel=0.05)
@@ -70,10 +152,10 @@ def test_settings_of_the_users_that_go_further_are_left_alone(threshold):
 
 
 def test_an_error_inside_still_gives_them_back():
-    with pytest.raises(RuntimeError), checkpoint_io():
+    with pytest.raises(RuntimeError), checkpoint_io_tuning():
         raise RuntimeError("boom")
-    assert sys.getswitchinterval() == pytest.approx(0.005, rel=0.05)
-    assert gc.get_threshold() == (700, 10, 10)
+    assert sys.getswitchinterval() == pytest.approx(DEFAULTS[0], rel=0.05)
+    assert gc.get_threshold() == DEFAULTS[1]
 
 
 def test_overlapping_uses_from_several_threads_give_both_back_once_all_end():
@@ -82,7 +164,7 @@ def test_overlapping_uses_from_several_threads_give_both_back_once_all_end():
     def use(n: int) -> None:
         try:
             for _ in range(n):
-                with checkpoint_io():
+                with checkpoint_io_tuning():
                     assert sys.getswitchinterval() == pytest.approx(SWITCH_INTERVAL, rel=0.01)
                     assert gc.get_threshold()[0] == GC_THRESHOLD
         except AssertionError as e:
@@ -94,70 +176,5 @@ def test_overlapping_uses_from_several_threads_give_both_back_once_all_end():
     for t in threads:
         t.join()
     assert not errors
-    assert sys.getswitchinterval() == pytest.approx(0.005, rel=0.05)
-    assert gc.get_threshold() == (700, 10, 10)
-
-
-def _probe(monkeypatch, owner, name, seen: list) -> None:
-    """Record, at each call of ``owner.name``, whether checkpoint I/O settings were in force."""
-    real = getattr(owner, name)
-
-    def probe(*args, **kwargs):
-        seen.append((name, sys.getswitchinterval() == pytest.approx(SWITCH_INTERVAL, rel=0.01)
-                     and gc.get_threshold()[0] == GC_THRESHOLD))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(owner, name, probe)
-
-
-@pytest.mark.parametrize("backend", [OrbaxBackend, NpzBackend])
-def test_each_save_restore_and_partial_restore_runs_with_them(tmp_path, monkeypatch, backend):
-    state = {"w": jnp.ones(3), "stack": [jnp.zeros(2)] * 20}
-    module = sys.modules[backend.__module__]
-    seen: list = []
-    # what each call does first: the records of a save; the read of a restore
-    _probe(monkeypatch, module, "leaf_records", seen)
-    if backend is OrbaxBackend:
-        _probe(monkeypatch, module, "restore_state", seen)
-        _probe(monkeypatch, module, "restore_some", seen)
-    else:
-        _probe(monkeypatch, NpzBackend, "_open", seen)
-    b = backend(tmp_path)
-    if backend is OrbaxBackend:
-        _probe(monkeypatch, b._saver, "save", seen)  # the background part: orbax's write
-    try:
-        for step in range(1, 3):
-            b.save(step, state, {})
-            b.wait()
-            restored, _ = b.restore(step, state)
-            assert restored["stack"][19].shape == (2,)
-            assert set(b.restore_leaves(step, ["w"])) == {"w"}
-    finally:
-        b.close()
-    probed = {"leaf_records", "restore_state", "restore_some", "save"} \
-        if backend is OrbaxBackend else {"leaf_records", "_open"}
-    assert {name for name, _ in seen} == probed
-    assert all(ok for _, ok in seen), [name for name, ok in seen if not ok]
-    assert sys.getswitchinterval() == pytest.approx(0.005, rel=0.05)
-    assert gc.get_threshold() == (700, 10, 10)
-
-
-def test_a_run_restores_and_saves_any_backend_with_them(tmp_path, monkeypatch):
-    import loopkit
-    from loopkit.plugins import checkpoint as plugin
-
-    seen: list = []
-    _probe(monkeypatch, plugin, "find_restorable", seen)
-    _probe(monkeypatch, NpzBackend, "save", seen)  # (also decorated itself: probed outside)
-
-    def run(steps: int):
-        return loopkit.train(lambda s, b: ({"w": s["w"] + b}, {}), init=lambda: {"w": jnp.zeros(3)},
-                             data=lambda start: itertools.repeat(np.ones(3, np.float32)),
-                             logdir=tmp_path, checkpoint_backend="npz", max_steps=steps,
-                             save_model_steps=2, progress=False, disable=("summaries",),
-                             autoload=False)
-
-    run(2)
-    assert run(4).step == 4
-    assert {name for name, _ in seen} == {"find_restorable", "save"}
-    assert all(ok for _, ok in seen), seen
+    assert sys.getswitchinterval() == pytest.approx(DEFAULTS[0], rel=0.05)
+    assert gc.get_threshold() == DEFAULTS[1]

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import loopkit.plugins.npz_backend as npz_backend
-from loopkit.plugins.npz_backend import NpzBackend
+import loopkit.plugins.checkpoint.backends.npz as npz_backend
+from loopkit.plugins.checkpoint.backends.npz import NpzBackend
 
 
 def state():

@@ -11,7 +11,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from loopkit.errors import CheckpointError
-from loopkit.plugins.orbax_backend import OrbaxBackend
+from loopkit.plugins.checkpoint.backends.orbax import OrbaxBackend
 from loopkit.pytree import abstract
 
 

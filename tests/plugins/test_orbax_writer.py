@@ -10,7 +10,7 @@ import pytest
 import tensorstore as ts
 
 from loopkit.errors import CheckpointError
-from loopkit.plugins.orbax_backend import OrbaxBackend
+from loopkit.plugins.checkpoint.backends.orbax import OrbaxBackend
 
 
 def mixed_state(n: int) -> dict:

@@ -10,7 +10,9 @@ def test_built_ins_use_only_the_public_plugin_surface():
     import ast
 
     plugins_dir = Path(__file__).resolve().parents[2] / "plugins"
-    for path in sorted(plugins_dir.glob("*.py")):
+    paths = sorted(plugins_dir.rglob("*.py"))
+    assert plugins_dir / "checkpoint" / "backends" / "orbax.py" in paths  # subpackages too
+    for path in paths:
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.Attribute) and node.attr.startswith("_") \
@@ -29,3 +31,24 @@ def test_built_ins_use_only_the_public_plugin_surface():
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 names = [getattr(node, "module", None) or ""] + [a.name for a in node.names]
                 assert not any("._src" in n for n in names), f"{path.name}:{node.lineno}: {names}"
+
+
+def test_the_core_imports_no_built_in_plugin_except_to_register_it():
+    """loopkit/ reaches loopkit.plugins only through the plugin manager (and the lazy
+    re-exports of the checkpoint helpers in `loopkit/__init__.py` and the CLI)."""
+    import ast
+
+    core = Path(__file__).resolve().parents[2] / "loopkit"
+    allowed = {"__init__.py", "cli.py"}
+    for path in sorted(core.glob("*.py")):
+        if path.name in allowed:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            assert not any(n.startswith("loopkit.plugins") for n in names), \
+                f"{path.name}:{node.lineno} imports {names}"
+

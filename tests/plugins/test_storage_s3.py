@@ -25,6 +25,7 @@ import pytest
 
 import loopkit
 from loopkit import storage
+from loopkit.plugins.checkpoint.backends.staged import MARKER
 
 pytest.importorskip("moto.server")
 pytest.importorskip("s3fs")
@@ -120,13 +121,14 @@ def test_train_on_s3_keeps_checkpoints_there_and_resumes_exactly(
     first = train(url, backend, 6)
     assert first.step == 6
     keys = _objects(bucket, "runs/a/")
-    # retention (max_to_keep=2) ran on the store; the checkpoint file names the latest
+    # retention (max_to_keep=2) ran on the store; the checkpoint file names the latest,
+    # the file beside it the backend that wrote them
     stored = {k.split("/")[2] for k in keys}
-    assert stored == {"checkpoint", name.format(4), name.format(6)}
+    assert stored == {"checkpoint", "checkpoint_backend.json", name.format(4), name.format(6)}
     text = storage.read_bytes(f"{url}/checkpoint").decode()
     assert 'model_checkpoint_path: "model.ckpt-6"' in text
     if backend == "orbax":  # each directory committed by its marker, written last
-        assert f"runs/a/model.ckpt-6/{storage.MARKER}" in keys
+        assert f"runs/a/model.ckpt-6/{MARKER}" in keys
     assert not any(Path(p).name.startswith("loopkit-stage-") for p in os.listdir(tmp_path))
 
     resumed = train(url, backend, 10)

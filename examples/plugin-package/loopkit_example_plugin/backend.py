@@ -2,8 +2,10 @@
 
 It reuses loopkit's npz format (atomic, durable, never unpickled), stores the zip
 members deflate-compressed, and names its files ``<basename>-<step>.npzc``.
-Naming itself in `checkpoint_backend_names` lets `loopkit.load_checkpoint`, the
-other checkpoint helpers and ``loopkit checkpoints`` find and read them.
+A run's logdir records the name, so `loopkit.load_checkpoint`, the other
+checkpoint helpers and ``loopkit checkpoints`` build it through the hook and read
+them; naming itself in the optional `checkpoint_backend_names` also finds them
+where no name is recorded.
 """
 
 from __future__ import annotations
@@ -12,8 +14,8 @@ import zipfile
 from pathlib import Path
 
 import loopkit
-from loopkit.plugins.npz_backend import NpzBackend
-from loopkit.plugins.staged_backend import local_or_staged
+from loopkit.plugins.checkpoint.backends.npz import NpzBackend
+from loopkit.plugins.checkpoint.backends.staged import local_or_staged
 
 NAME = "npz-compressed"
 

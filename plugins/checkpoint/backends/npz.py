@@ -13,7 +13,7 @@ The file is written under a temporary name (``.<basename>-<step>.npz.tmp-...``,
 which `steps` never lists), fsynced, renamed to its final name, and the directory
 is fsynced: only then is the save committed (DESIGN.md, Checkpoints).
 
-The leaf records (`loopkit.plugins.leaf_records`) are shared with the `orbax` backend.
+The leaf records (`records`) are shared with the `orbax` backend.
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ try:  # ISA-L's CRC-32, 3-4x zlib's (the `fast` extra); the same checksum
 except ImportError:
     from zlib import crc32
 
-from loopkit import storage
 from loopkit.errors import CheckpointError
 from loopkit.fs import fsync_dir
 from loopkit.pytree import conform
@@ -57,11 +56,14 @@ _FORMAT = "loopkit-npz"
 _VERSION = 1
 _READERS = min(4, os.cpu_count() or 1)  # threads reading members at once (more than cores: slower)
 
-from loopkit.plugins.io_settings import checkpoint_io  # noqa: E402
-from loopkit.plugins.leaf_records import (  # noqa: E402
-    LeafRecord, aligned_empty, dtype_from_name, finish, host_value, leaf_records, like_leaves,
-    nest, placement, put_into, read_records, remove_stale, saving_lock,
+from loopkit.plugins.checkpoint.backends.placement import (  # noqa: E402
+    aligned_empty, like_leaves, placement, put_into,
 )
+from loopkit.plugins.checkpoint.backends.records import (  # noqa: E402
+    LeafRecord, dtype_from_name, finish, host_value, leaf_records, nest, read_records,
+)
+from loopkit.plugins.checkpoint.backends.staged import refuse_url  # noqa: E402
+from loopkit.plugins.checkpoint.backends.temporaries import remove_stale, saving_lock  # noqa: E402
 
 
 class NpzBackend:
@@ -78,7 +80,7 @@ class NpzBackend:
 
     def __init__(self, directory: str | os.PathLike[str], basename: str = "model.ckpt",
                  config: Config | None = None) -> None:
-        storage.refuse_url(directory, type(self).__name__)
+        refuse_url(directory, type(self).__name__)
         self.directory = Path(directory)
         self.basename = basename
         self.config = config
@@ -93,7 +95,6 @@ class NpzBackend:
 
     # -- writing --
 
-    @checkpoint_io()
     def save(self, step: int, state: Any, metadata: dict) -> None:
         """Write ``state`` and ``metadata`` as ``step``; returns once committed."""
         step = int(step)
@@ -208,7 +209,6 @@ class NpzBackend:
             raise CheckpointError(f"checkpoint {where}: leaf {rec.name!r} cannot be read: {e}") from e
         return arr
 
-    @checkpoint_io()
     def restore(self, step: int, like: Any = None) -> tuple[Any, dict]:
         """The state of ``step`` as stored (placed like ``like`` where shapes match), and its metadata."""
         want = like_leaves(like)
@@ -241,7 +241,6 @@ class NpzBackend:
         with self._open(step) as (_, _, records):
             return {r.name: st for r in records if (st := r.struct()) is not None}
 
-    @checkpoint_io()
     def restore_leaves(self, step: int, paths: Sequence[str]) -> dict[str, Any]:
         """Read only the leaves at ``paths`` (leaf paths as `structure` names them)."""
         wanted = set(paths)

@@ -11,7 +11,7 @@ readers ignore), loopkit keeps JSON: the step, the caller's metadata, one record
 per leaf (path, kind, dtype, shape; the same records as the `npz` backend's,
 values of Python scalars and strings inline), and which stored nodes are
 sequences, so `structure` reads no array data. Reading is
-`loopkit.plugins.orbax_reader`, which also reads the earlier layout (nested
+`orbax_read`, which also reads the earlier layout (nested
 dicts keyed by the path components) and plain orbax saves.
 
 Committing. orbax writes under ``<name>.orbax-checkpoint-tmp`` (never listed)
@@ -40,7 +40,7 @@ holds whole go to orbax as numpy arrays (the host copy; on CPU a view), which
 orbax stores exactly as it stores jax arrays but without writing each one's
 sharding to a metadata file in turn (most of a save's time with thousands of
 leaves), and without its defensive copy of numpy arrays (the thread owns them);
-`loopkit.plugins.orbax_writer` writes them all in one batch, the same bytes as
+`loopkit.plugins.checkpoint.backends.orbax_write` writes them all in one batch, the same bytes as
 orbax's own handler, a third of its time with thousands of leaves. Its barriers go through the
 jax.distributed client (``active_processes`` set), not orbax's default device
 collectives, which in a background thread would interleave with the training
@@ -66,16 +66,18 @@ from typing import TYPE_CHECKING, Any, Sequence
 import jax
 import numpy as np
 
-from loopkit import storage
 from loopkit.errors import CheckpointError
 from loopkit.fs import fsync_dir, fsync_tree
-from loopkit.plugins.io_settings import checkpoint_io
-from loopkit.plugins.leaf_records import leaf_records, remove_stale, saving_lock
-from loopkit.plugins.orbax_reader import (
-    HEAD_KEY as _KEY, VERSION as _VERSION, Head, read_head, restore_some, restore_state,
-    sequence_nodes, structure_of,
+from loopkit.plugins.checkpoint.backends.orbax_layout import (
+    HEAD_KEY as _KEY, VERSION as _VERSION, Head, sequence_nodes,
 )
-from loopkit.plugins.orbax_writer import Saver
+from loopkit.plugins.checkpoint.backends.orbax_read import (
+    read_head, restore_some, restore_tree, structure_of,
+)
+from loopkit.plugins.checkpoint.backends.orbax_write import Saver
+from loopkit.plugins.checkpoint.backends.records import leaf_records
+from loopkit.plugins.checkpoint.backends.staged import refuse_url
+from loopkit.plugins.checkpoint.backends.temporaries import remove_stale, saving_lock
 
 if TYPE_CHECKING:
     from loopkit.config import Config
@@ -115,7 +117,7 @@ class OrbaxBackend:
     `PyTreeCheckpointHandler`; the defaults are the fastest measured here
     (benchmarks/README.md, "Checkpoint I/O"). ``restore_concurrent_gb`` bounds orbax's
     reads of arrays spread over processes; arrays a process reads whole go straight
-    into their own buffers (`orbax_reader.read_direct`).
+    into their own buffers (`orbax_read.read_direct`).
     """
 
     def __init__(self, directory: str | os.PathLike[str], basename: str = "model.ckpt",
@@ -125,7 +127,7 @@ class OrbaxBackend:
                  restore_concurrent_gb: int | None = None) -> None:
         import orbax.checkpoint as ocp
 
-        storage.refuse_url(directory, type(self).__name__)
+        refuse_url(directory, type(self).__name__)
         self.directory = Path(directory)
         self.basename = basename
         self.config = config
@@ -179,7 +181,6 @@ class OrbaxBackend:
                                         name=f"loopkit-orbax-save-{step}")
         self._thread.start()
 
-    @checkpoint_io()  # (thousands of leaves' records: see `io_settings`)
     def _stored(self, step: int, state: Any, metadata: dict) -> tuple[Any, dict]:
         """The tree orbax is given for ``state``, and the step metadata's loopkit head."""
         records, leaves = leaf_records(state)
@@ -229,7 +230,7 @@ class OrbaxBackend:
         import orbax.checkpoint as ocp
 
         try:
-            with saving_lock(self.directory), checkpoint_io():
+            with saving_lock(self.directory):
                 trash = final.with_name(f".{final.name}.replaced")
                 if self._primary and final.exists():
                     # Replacing a step: move the old one aside (atomically: a reader
@@ -315,18 +316,16 @@ class OrbaxBackend:
             raise FileNotFoundError(f"no orbax checkpoint for step {step}: {path}")
         return read_head(path)
 
-    @checkpoint_io()
     def restore(self, step: int, like: Any = None) -> tuple[Any, dict]:
         """The state of ``step`` as stored (placed like ``like`` where shapes match), and its metadata."""
         if self._pending == step:
             self.wait()
-        return restore_state(self._reader, self.path(step), self._head(step), like)
+        return restore_tree(self._reader, self.path(step), self._head(step), like)
 
     def structure(self, step: int) -> dict[str, Any]:
         """Leaf path -> shape and dtype of every leaf of ``step``, without reading array data."""
         return structure_of(self._head(step))
 
-    @checkpoint_io()
     def restore_leaves(self, step: int, paths: Sequence[str]) -> dict[str, Any]:
         """Read only the leaves at ``paths`` (orbax partial restore)."""
         return restore_some(self._reader, self.path(step), self._head(step), paths)

@@ -1,11 +1,11 @@
-"""Reading orbax PyTree checkpoints: loopkit's own, in any layout it wrote, and anyone's.
+"""Reading orbax PyTree checkpoints: the `orbax` backend's restore, and anyone's orbax trees.
 
 loopkit's orbax checkpoints carry a head in the step metadata's ``custom_metadata``
-(key ``"loopkit"``), which orbax's readers ignore: the step, the caller's metadata,
-one record per leaf (`loopkit.plugins.leaf_records`) and the nodes of the stored tree
-that orbax holds as sequences. Version 2 stores the state in its own structure
-(lists stay lists), version 1 stored nested dicts keyed by the path components; both
-read the same way. A checkpoint without that head (a plain `StandardCheckpointer` or
+(`orbax_layout`), which orbax's readers ignore: the step, the caller's metadata,
+one record per leaf (`records`) and the nodes of the stored tree that orbax holds
+as sequences. Version 2 stores the state in its own structure (lists stay lists),
+version 1 stored nested dicts keyed by the path components; both read the same way.
+A checkpoint without that head (a plain `StandardCheckpointer` or
 `PyTreeCheckpointer` save) is described from orbax's own tree metadata instead.
 Only public orbax API is used. Arrays this process reads whole are read with
 tensorstore directly (`read_direct`), through orbax's own read specs and the
@@ -14,7 +14,6 @@ value types in orbax's ``_METADATA``; everything else goes through orbax's resto
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -22,62 +21,18 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from loopkit.errors import CheckpointError
-from loopkit.plugins.io_settings import checkpoint_io
-from loopkit.plugins.leaf_records import (
-    LeafRecord, aligned_empty, dtype_name, finish, host_value, like_leaves, nest, placement,
-    put_all, put_into, read_records,
+from loopkit.plugins.checkpoint.backends.orbax_layout import (
+    HEAD_KEY, READS, Head, is_orbax_tree, split_kvstore,
+)
+from loopkit.plugins.checkpoint.backends.placement import (
+    aligned_empty, like_leaves, placement, put_all, put_into,
+)
+from loopkit.plugins.checkpoint.backends.records import (
+    LeafRecord, dtype_name, finish, host_value, nest, read_records,
 )
 
-__all__ = ["Head", "OrbaxCheckpoint", "is_orbax_tree", "read_arrays", "read_head",
-           "restore_some", "restore_state", "split_kvstore", "structure_of"]
-
-HEAD_KEY = "loopkit"
-VERSION = 2
-READS = (1, 2)
-
-
-@dataclasses.dataclass
-class Head:
-    """What a checkpoint holds, read without its array data."""
-
-    records: list[LeafRecord]
-    sequences: dict[tuple[str, ...], int]  # stored nodes orbax holds as lists: their lengths
-    metadata: dict
-    step: int | None = None
-
-
-def is_orbax_tree(path: Path) -> bool:
-    """Whether ``path`` is an orbax PyTree checkpoint directory (it has orbax's ``_METADATA``)."""
-    return path.is_dir() and (path / "_METADATA").is_file()
-
-
-_LEAF_TYPES = (np.ndarray, np.generic, bool, int, float, complex, str, bytes)
-
-
-def sequence_nodes(state: Any) -> list[dict]:
-    """``{"path", "length"}`` of each node of ``state`` that orbax stores as a sequence."""
-    import jax
-    import orbax.checkpoint as ocp
-
-    from loopkit.pytree import leaf_path
-
-    found: dict[tuple[str, ...], int] = {}
-    leaf_types = (jax.Array, *_LEAF_TYPES)
-
-    def walk(node: Any, prefix: tuple[str, ...]) -> None:
-        if node is None or isinstance(node, leaf_types):
-            return  # always a leaf (and asking jax costs 15 us a leaf)
-        children, _ = jax.tree_util.tree_flatten_with_path(
-            node, is_leaf=lambda x: x is not node or x is None)
-        if not children or children[0][0] == ():
-            return  # a leaf
-        if ocp.utils.is_sequence_key(children[0][0][0]):
-            found[prefix] = len(children)
-        for keypath, child in children:
-            walk(child, prefix + (leaf_path(keypath),))
-
-    walk(state, ())
-    return [{"path": list(p), "length": n} for p, n in found.items()]
+__all__ = ["read_arrays", "read_direct", "read_head", "restore_some", "restore_tree",
+           "structure_of"]
 
 
 def read_head(path: Path) -> Head:
@@ -181,16 +136,6 @@ _DIRECT_TYPES = ("np.ndarray", "jax.Array")  # orbax value types stored as one z
 _BATCH_LEAVES, _BATCH_BYTES = 256, 64 << 20  # `read_direct` places arrays in batches this big
 _NAME = "@loopkit-array-name@"
 
-
-def split_kvstore(spec: dict, name: str) -> tuple[dict, dict] | None:
-    """orbax's tensorstore ``spec`` for the array ``name``: (the spec without its kvstore,
-    the kvstore of the whole checkpoint); None for a spec not seen here."""
-    spec = dict(spec)
-    kvstore = spec.pop("kvstore", None)
-    path = kvstore.get("path") if isinstance(kvstore, dict) else None
-    if not (isinstance(path, str) and path.rstrip("/").endswith(name)):
-        return None
-    return spec, {**kvstore, "path": path.rstrip("/")[:-len(name)]}
 
 
 def read_direct(path: Path, wanted: dict[str, tuple[str, ...]],
@@ -343,7 +288,7 @@ def read_arrays(reader: Any, path: Path, head: Head, records: Sequence[LeafRecor
     return [finish(rec, value) for rec, value in zip(records, out)]
 
 
-def restore_state(reader: Any, path: Path, head: Head, like: Any) -> tuple[Any, dict]:
+def restore_tree(reader: Any, path: Path, head: Head, like: Any) -> tuple[Any, dict]:
     """The whole state of the checkpoint at `path` (placed like `like`), and its metadata."""
     from loopkit.pytree import conform
 
@@ -366,53 +311,3 @@ def restore_some(reader: Any, path: Path, head: Head, paths: Sequence[str]) -> d
         raise KeyError(f"checkpoint {path} has no leaves {sorted(missing)}")
     values = read_arrays(reader, path, head, chosen, {})
     return {r.name: v for r, v in zip(chosen, values)}
-
-
-class OrbaxCheckpoint:
-    """One orbax PyTree checkpoint at any path, read through the backend protocol.
-
-    Read-only: what `load_checkpoint` and `from_pretrained` use for an orbax
-    checkpoint that is not in a loopkit logdir (a `StandardCheckpointer` save under
-    any name, or one item of a `CheckpointManager` step).
-    """
-
-    def __init__(self, path: str | Path, step: int = 0) -> None:
-        import orbax.checkpoint as ocp
-
-        self._path = Path(path)
-        self._step = int(step)
-        self._reader = ocp.PyTreeCheckpointer()
-
-    def path(self, step: int) -> Path:
-        return self._path
-
-    def steps(self) -> list[int]:
-        return [self._step] if is_orbax_tree(self._path) else []
-
-    def _head(self, step: int) -> Head:
-        if step != self._step:
-            raise FileNotFoundError(f"{self._path} holds one checkpoint, step {self._step}")
-        return read_head(self._path)
-
-    @checkpoint_io()
-    def restore(self, step: int, like: Any = None) -> tuple[Any, dict]:
-        return restore_state(self._reader, self._path, self._head(step), like)
-
-    def structure(self, step: int) -> dict[str, Any]:
-        return structure_of(self._head(step))
-
-    @checkpoint_io()
-    def restore_leaves(self, step: int, paths: Sequence[str]) -> dict[str, Any]:
-        return restore_some(self._reader, self._path, self._head(step), paths)
-
-    def save(self, step: int, state: Any, metadata: dict) -> None:
-        raise CheckpointError(f"{self._path} is read-only here: loopkit reads it, it does not write it")
-
-    def delete(self, step: int) -> None:
-        raise CheckpointError(f"{self._path} is read-only here: loopkit reads it, it does not delete it")
-
-    def wait(self) -> None:
-        """Nothing to wait for."""
-
-    def close(self) -> None:
-        self._reader.close()

@@ -3,35 +3,22 @@
 Shared by the `npz` and `orbax` backends (and usable by a plugin's): one `LeafRecord`
 per leaf (its path, kind, dtype name and shape; Python scalars and strings inline),
 JSON only at the file boundary (`LeafRecord.to_json`, `read_records`); nesting stored
-leaves back into dicts, placing them like a ``like`` tree (in one batch: `put_all`),
-and the lock and clean-up of temporaries in a checkpoint directory.
+leaves back into dicts (`nest`) and giving a restored leaf back its typed key or weak
+type (`finish`). Placing restored leaves is `placement`; the lock and clean-up of
+temporaries in a checkpoint directory, `temporaries`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import functools
-import logging
-import math
-import os
-import re
-import shutil
-from pathlib import Path
-from typing import Any, Iterator, NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import ml_dtypes
 import numpy as np
 
 from loopkit.errors import CheckpointError
-from loopkit.fs import fsync_dir
 from loopkit.pytree import is_key, leaf_path
-
-log = logging.getLogger("loopkit")
-
-# -- leaf records, shared with the orbax backend -----------------------------------
-
 
 def dtype_name(dtype: np.dtype) -> str:
     """A name `dtype_from_name` turns back into ``dtype`` (numpy's own, or an ml_dtypes name)."""
@@ -214,35 +201,6 @@ def nest(paths: Sequence[Sequence[str]], values: Sequence[Any]) -> Any:
     return root
 
 
-def like_leaves(like: Any) -> dict[str, Any]:
-    """``like``'s leaves by leaf path (empty for None)."""
-    if like is None:
-        return {}
-    flat, _ = jax.tree_util.tree_flatten_with_path(like)
-    return {leaf_path(kp): leaf for kp, leaf in flat}
-
-
-def placement(like_leaf: Any, shape: tuple[int, ...], dtype: np.dtype) -> tuple[bool, Any]:
-    """(as a jax array?, sharding or None) for a stored leaf next to ``like_leaf``.
-
-    A leaf becomes a jax array when ``like`` has a jax array or abstract leaf of
-    the same shape there, and jax can hold its dtype as is (not float64 without
-    x64: never cast); it takes that leaf's sharding (None: the default device).
-    Anything else comes back as stored, on the host. A typed key in ``like`` places
-    its stored key data (the key's shape and trailing implementation dims).
-    """
-    if (isinstance(like_leaf, (jax.Array, jax.ShapeDtypeStruct)) and is_key(like_leaf.dtype)
-            and tuple(like_leaf.shape) == tuple(shape)[:len(like_leaf.shape)]
-            and np.dtype(dtype) == np.uint32):
-        return True, getattr(like_leaf, "sharding", None)
-    if (isinstance(like_leaf, (jax.Array, jax.ShapeDtypeStruct))
-            and not is_key(like_leaf.dtype)
-            and tuple(like_leaf.shape) == tuple(shape)
-            and jax.dtypes.canonicalize_dtype(dtype) == dtype):
-        return True, getattr(like_leaf, "sharding", None)
-    return False, None
-
-
 def host_value(rec: LeafRecord, arr: np.ndarray | None) -> Any:
     """A record's leaf as stored, on the host."""
     if rec.kind == "none":
@@ -273,98 +231,3 @@ def _weak(x: jax.Array) -> jax.Array:
     # an identity compiled for a weakly-typed input of x's kind returns x weakly typed
     weak = jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=True, sharding=x.sharding)
     return jax.jit(lambda y: y).lower(weak).compile()(x)
-
-
-def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """An uninitialised array whose data starts on a 64-byte boundary.
-
-    jax's CPU backend places such an array without copying it (numpy's own start
-    16 bytes into a page): a restore then touches its memory once, not twice.
-    """
-    size = math.prod(shape) * dtype.itemsize
-    buf = np.empty(size + 64, np.uint8)
-    start = -buf.__array_interface__["data"][0] % 64
-    return np.ndarray(shape, dtype, buf, start)
-
-
-def put_into(values: list[Any], at: Sequence[int], shardings: Sequence[Any]) -> None:
-    """Replace ``values[i]``, for each ``i`` in ``at``, by it placed with its sharding (one batch)."""
-    for i, x in zip(at, put_all([np.asarray(values[i]) for i in at], shardings)):
-        values[i] = x
-
-
-def put_all(arrays: Sequence[np.ndarray], shardings: Sequence[Any]) -> list[jax.Array]:
-    """Each array as a jax array with its sharding (None: the default device).
-
-    Batched: one `jax.device_put` for all that this process holds whole (a call
-    per leaf costs tens of µs of Python, which thousands of leaves add up).
-    """
-    out: list[Any] = [None] * len(arrays)
-    default = [i for i, s in enumerate(shardings) if s is None]
-    given = [i for i, s in enumerate(shardings) if s is not None and s.is_fully_addressable]
-    if default:
-        for i, x in zip(default, jax.device_put([arrays[i] for i in default])):
-            out[i] = x
-    if given:
-        for i, x in zip(given, jax.device_put([arrays[i] for i in given],
-                                              [shardings[i] for i in given])):
-            out[i] = x
-    for i, s in enumerate(shardings):
-        if out[i] is None:
-            arr = arrays[i]
-            out[i] = jax.make_array_from_callback(arr.shape, s, lambda index, a=arr: a[index])
-    return out
-
-
-# -- temporaries of dead saves --------------------------------------------------------
-
-
-@contextlib.contextmanager
-def saving_lock(directory: Path) -> Iterator[None]:
-    """Hold a shared lock on ``directory`` while a save writes temporaries in it."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH)
-        yield
-    finally:
-        os.close(fd)  # closing drops the lock; so does the process dying
-
-
-def remove_stale(directory: Path, pattern: re.Pattern[str]) -> list[str]:
-    """Remove names matching ``pattern`` when no save holds the directory's lock.
-
-    Savers hold a shared `flock` on the directory while they write, and the lock
-    dies with its process: if an exclusive lock can be had, every temporary left
-    is from a save that died. An evaluator's backend in the same directory as a
-    running trainer therefore never removes the trainer's work in progress.
-    """
-    removed: list[str] = []
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except FileNotFoundError:
-        return removed
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return removed  # a save is in progress somewhere: leave its files alone
-        for entry in os.scandir(directory):
-            if pattern.fullmatch(entry.name):
-                if entry.is_dir(follow_symlinks=False):
-                    shutil.rmtree(entry.path, ignore_errors=True)
-                else:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(entry.path)
-                removed.append(entry.name)
-        if removed:
-            fsync_dir(directory)
-            log.info("removed temporaries of interrupted checkpoint saves in %s: %s",
-                     directory, ", ".join(sorted(removed)))
-    finally:
-        os.close(fd)
-    return removed
-
-
-# -- the backend ----------------------------------------------------------------------
-
-

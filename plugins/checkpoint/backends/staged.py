@@ -5,7 +5,7 @@ its tensorstore spec builder knows only ``gs://``). Under a URL, each save is
 written by the local backend into a staging directory on local disk, exactly
 as it would be in a local logdir (the same standard orbax checkpoint, the same
 npz file), then uploaded in the commit thread: every object of a directory
-checkpoint, then the marker object `loopkit.storage.MARKER` last; a file
+checkpoint, then the marker object `MARKER` last; a file
 checkpoint is one object, whose write is atomic. So on the store a checkpoint is
 committed once its last object is written: `steps` lists a directory only once
 its marker is there, and a partial upload left by a crash is never listed and
@@ -26,12 +26,14 @@ from typing import Any, Callable, Sequence
 
 from loopkit import storage
 from loopkit.errors import CheckpointError
-from loopkit.plugins.io_settings import checkpoint_io
 
-__all__ = ["StagedBackend", "local_or_staged"]
+__all__ = ["MARKER", "StagedBackend", "local_or_staged", "refuse_url"]
 
 log = logging.getLogger("loopkit")
 
+#: the object that commits a tree of objects (a directory checkpoint) on a URL: written
+#: after the last of them (the name orbax itself uses on GCS)
+MARKER = "commit_success.txt"
 
 _STAGE = "loopkit-stage-"
 
@@ -45,6 +47,15 @@ def local_or_staged(directory: Path | str, basename: str, make: Callable[[Path |
     if storage.is_url(directory):
         return StagedBackend(str(directory), basename, make)
     return make(directory)
+
+
+def refuse_url(directory: Any, who: str) -> None:
+    """Fail clearly when a backend that writes local files is handed a URL."""
+    if storage.is_url(directory):
+        raise ValueError(
+            f"{who} writes local files and was given the URL {directory!r}: build it through "
+            "loopkit.plugins.checkpoint.backends.staged.local_or_staged(directory, basename, "
+            "make), which stages it locally and uploads (docs/storage.md)")
 
 
 def _remove_dead_stages() -> None:
@@ -112,7 +123,6 @@ class StagedBackend:
         finally:
             self._discard_local(step)
 
-    @checkpoint_io()
     def _upload(self, step: int) -> None:
         if not self._cleaned:  # only a writer cleans: a reader may watch a save in progress
             self._remove_partial()
@@ -123,7 +133,7 @@ class StagedBackend:
             if src.is_dir():
                 storage.remove(dst)  # a partial upload of this step, or the one it replaces
                 storage.upload_tree(src, dst)
-                fs.pipe_file(f"{base}/{storage.MARKER}", b"")  # last: commits the upload
+                fs.pipe_file(f"{base}/{MARKER}", b"")  # last: commits the upload
             else:
                 fs.put_file(str(src), base)
         except Exception as e:
@@ -135,7 +145,7 @@ class StagedBackend:
         for name, is_dir in storage.list_names(self.url).items():
             if is_dir and self._name.fullmatch(name):
                 url = str(storage.join(self.url, name))
-                if not storage.exists(str(storage.join(url, storage.MARKER))):
+                if not storage.exists(str(storage.join(url, MARKER))):
                     log.warning("loopkit: removing %s, a checkpoint whose upload never "
                                 "finished", url)
                     storage.remove(url)
@@ -153,7 +163,7 @@ class StagedBackend:
             m = self._name.fullmatch(name)
             if m is None or int(m.group(1)) == self._pending:
                 continue
-            if is_dir and not storage.exists(str(storage.join(self.url, name, storage.MARKER))):
+            if is_dir and not storage.exists(str(storage.join(self.url, name, MARKER))):
                 continue  # an upload in progress, or one a crash cut short
             found.append(int(m.group(1)))
         return sorted(found)
@@ -163,7 +173,7 @@ class StagedBackend:
         if self._pending == step:
             self.wait()
         url = self.path(step)
-        marker = str(storage.join(url, storage.MARKER))
+        marker = str(storage.join(url, MARKER))
         if storage.exists(marker):
             storage.remove(marker)
         storage.remove(url)
@@ -179,15 +189,14 @@ class StagedBackend:
         fs, base = storage.filesystem(url)
         self._discard_local(step)
         if fs.isdir(base):
-            if not fs.exists(f"{base}/{storage.MARKER}"):
-                raise FileNotFoundError(f"checkpoint {url} is not committed (no {storage.MARKER})")
+            if not fs.exists(f"{base}/{MARKER}"):
+                raise FileNotFoundError(f"checkpoint {url} is not committed (no {MARKER})")
             fs.get(base + "/", str(dst) + "/", recursive=True)
-            (dst / storage.MARKER).unlink(missing_ok=True)
+            (dst / MARKER).unlink(missing_ok=True)
         else:
             fs.get_file(base, str(dst))  # FileNotFoundError when there is none
         self._fetched.add(step)
 
-    @checkpoint_io()
     def restore(self, step: int, like: Any = None) -> tuple[Any, dict]:
         self._fetch(step)
         return self.local.restore(step, like)
@@ -196,7 +205,6 @@ class StagedBackend:
         self._fetch(step)
         return self.local.structure(step)
 
-    @checkpoint_io()
     def restore_leaves(self, step: int, paths: Sequence[str]) -> dict[str, Any]:
         self._fetch(step)
         return self.local.restore_leaves(step, paths)

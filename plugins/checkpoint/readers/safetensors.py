@@ -16,10 +16,11 @@ from typing import Any, Sequence
 import jax
 
 from loopkit.errors import CheckpointError
-from loopkit.plugins.io_settings import checkpoint_io
-from loopkit.plugins.leaf_records import (
-    dtype_from_name, like_leaves, nest, placement, put_into,
+from loopkit.plugins.checkpoint.backends.placement import (
+    like_leaves, placement, put_into,
 )
+from loopkit.plugins.checkpoint.backends.records import dtype_from_name, nest
+from loopkit.plugins.checkpoint.readers.read_only import ReadOnly
 
 __all__ = ["SafetensorsCheckpoint"]
 
@@ -41,7 +42,7 @@ def _safe_open(file: Path) -> Any:
     return safe_open(str(file), framework="numpy")
 
 
-class SafetensorsCheckpoint:
+class SafetensorsCheckpoint(ReadOnly):
     """The tensors of one or more ``.safetensors`` files, as one checkpoint (step 0)."""
 
     def __init__(self, files: Sequence[str | Path], where: str | Path | None = None) -> None:
@@ -92,7 +93,6 @@ class SafetensorsCheckpoint:
     def structure(self, step: int) -> dict[str, jax.ShapeDtypeStruct]:
         return {p: s for p, (_, _, s) in self._tensors().items()}
 
-    @checkpoint_io()
     def restore_leaves(self, step: int, paths: Sequence[str]) -> dict[str, Any]:
         index = self._tensors()
         missing = set(paths) - index.keys()
@@ -114,7 +114,6 @@ class SafetensorsCheckpoint:
                 raise CheckpointError(f"safetensors file {file} cannot be read: {e}") from e
         return out
 
-    @checkpoint_io()
     def restore(self, step: int, like: Any = None) -> tuple[Any, dict]:
         from loopkit.pytree import conform
 
@@ -132,15 +131,3 @@ class SafetensorsCheckpoint:
         put_into(leaves, placed, shardings)
         state = nest(records, leaves)
         return (state if like is None else conform(state, like)), {}
-
-    def save(self, step: int, state: Any, metadata: dict) -> None:
-        raise CheckpointError(f"{self.where} is read-only here: loopkit reads safetensors files")
-
-    def delete(self, step: int) -> None:
-        raise CheckpointError(f"{self.where} is read-only here: loopkit reads safetensors files")
-
-    def wait(self) -> None:
-        """Nothing to wait for."""
-
-    def close(self) -> None:
-        """Nothing to release."""

@@ -1,0 +1,48 @@
+"""Built-in `checkpoint`: saves on a timer and at the stop, recovery at start-up, retention.
+
+Where each part lives (docs/architecture.md draws the flows):
+
+- `plugin`: the plugin registered as ``"checkpoint"``: its timer, the save in flight
+  and its commit thread, the final save, the order of recovery; the built-in
+  backends' names (`checkpoint_backend` hook).
+- `recovery`: the newest checkpoint that can be read at start-up, on one process
+  or agreed by all.
+- `tf_file`: the tf ``checkpoint`` text file, checkpoint names, the recorded
+  backend name; `retention`: what the file lists and what is deleted;
+  `position`: the input position as JSON; `replicas`: host-local replicas
+  checked at each save of many processes.
+- `helpers` and `locate`: `latest_checkpoint`, `load_checkpoint`,
+  `checkpoints_iterator`, `from_pretrained`, `describe_checkpoints` (``loopkit
+  checkpoints``), and finding a checkpoint and the backend that reads it.
+- `backends`: the built-in backends (`orbax`, `npz`, `staged` for URLs) and what
+  they share (leaf `records`, `placement`, `temporaries`).
+- `readers`: read-only backends for others' formats (orbax trees, safetensors).
+- `io_tuning`: `checkpoint_io_tuning()`, an opt-in tuning of the interpreter for
+  checkpoint I/O of thousands of leaves (loopkit never changes it by itself).
+"""
+
+from __future__ import annotations
+
+from loopkit.plugins.checkpoint.helpers import (
+    checkpoints_iterator,
+    describe_checkpoints,
+    from_pretrained,
+    latest_checkpoint,
+    load_checkpoint,
+)
+from loopkit.plugins.checkpoint.io_tuning import checkpoint_io_tuning
+# (`plugin` below is the function the plugin manager calls, not the module of that name)
+from loopkit.plugins.checkpoint.plugin import BUILTIN_BACKENDS, INACTIVE, CheckpointPlugin, plugin
+
+__all__ = [
+    "BUILTIN_BACKENDS",
+    "INACTIVE",
+    "CheckpointPlugin",
+    "checkpoint_io_tuning",
+    "checkpoints_iterator",
+    "describe_checkpoints",
+    "from_pretrained",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "plugin",
+]

@@ -1,0 +1,82 @@
+"""What loopkit keeps in an orbax checkpoint beside orbax's tree, shared by its writer and reader.
+
+The head (``custom_metadata["loopkit"]`` of orbax's step metadata, which orbax's
+readers ignore): its key, the format version written and those read, and the nodes
+of the stored tree that orbax holds as sequences; and how to split orbax's
+tensorstore spec for one array into the spec and the checkpoint's kvstore.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from loopkit.plugins.checkpoint.backends.records import LeafRecord
+
+__all__ = ["HEAD_KEY", "READS", "VERSION", "Head", "is_orbax_tree", "sequence_nodes",
+           "split_kvstore"]
+
+#: the key of loopkit's head in the step metadata's ``custom_metadata``
+HEAD_KEY = "loopkit"
+#: the head's format version written (2: the state in its own structure)
+VERSION = 2
+#: the versions read (1: nested dicts keyed by the path components)
+READS = (1, 2)
+
+
+@dataclasses.dataclass
+class Head:
+    """What a checkpoint holds, read without its array data."""
+
+    records: list[LeafRecord]
+    sequences: dict[tuple[str, ...], int]  # stored nodes orbax holds as lists: their lengths
+    metadata: dict
+    step: int | None = None
+
+
+def is_orbax_tree(path: Path) -> bool:
+    """Whether ``path`` is an orbax PyTree checkpoint directory (it has orbax's ``_METADATA``)."""
+    return path.is_dir() and (path / "_METADATA").is_file()
+
+
+_LEAF_TYPES = (np.ndarray, np.generic, bool, int, float, complex, str, bytes)
+
+
+def sequence_nodes(state: Any) -> list[dict]:
+    """``{"path", "length"}`` of each node of ``state`` that orbax stores as a sequence."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    from loopkit.pytree import leaf_path
+
+    found: dict[tuple[str, ...], int] = {}
+    leaf_types = (jax.Array, *_LEAF_TYPES)
+
+    def walk(node: Any, prefix: tuple[str, ...]) -> None:
+        if node is None or isinstance(node, leaf_types):
+            return  # always a leaf (and asking jax costs 15 us a leaf)
+        children, _ = jax.tree_util.tree_flatten_with_path(
+            node, is_leaf=lambda x: x is not node or x is None)
+        if not children or children[0][0] == ():
+            return  # a leaf
+        if ocp.utils.is_sequence_key(children[0][0][0]):
+            found[prefix] = len(children)
+        for keypath, child in children:
+            walk(child, prefix + (leaf_path(keypath),))
+
+    walk(state, ())
+    return [{"path": list(p), "length": n} for p, n in found.items()]
+
+
+def split_kvstore(spec: dict, name: str) -> tuple[dict, dict] | None:
+    """orbax's tensorstore ``spec`` for the array ``name``: (the spec without its kvstore,
+    the kvstore of the whole checkpoint); None for a spec not seen here."""
+    spec = dict(spec)
+    kvstore = spec.pop("kvstore", None)
+    path = kvstore.get("path") if isinstance(kvstore, dict) else None
+    if not (isinstance(path, str) and path.rstrip("/").endswith(name)):
+        return None
+    return spec, {**kvstore, "path": path.rstrip("/")[:-len(name)]}

@@ -1,0 +1,58 @@
+"""Reading an orbax PyTree checkpoint that no loopkit logdir holds, through the backend protocol.
+
+What `load_checkpoint` and `from_pretrained` use for a `StandardCheckpointer` or
+`PyTreeCheckpointer` save under any name, or one item of an orbax
+`CheckpointManager` step; read by the `orbax` backend's own read path.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+from loopkit.plugins.checkpoint.backends.orbax_layout import Head, is_orbax_tree
+from loopkit.plugins.checkpoint.backends.orbax_read import (
+    read_head, restore_some, restore_tree, structure_of,
+)
+from loopkit.plugins.checkpoint.readers.read_only import ReadOnly
+
+__all__ = ["OrbaxCheckpoint", "is_orbax_tree"]
+
+
+class OrbaxCheckpoint(ReadOnly):
+    """One orbax PyTree checkpoint at any path, read through the backend protocol.
+
+    Read-only: what `load_checkpoint` and `from_pretrained` use for an orbax
+    checkpoint that is not in a loopkit logdir (a `StandardCheckpointer` save under
+    any name, or one item of a `CheckpointManager` step).
+    """
+
+    def __init__(self, path: str | Path, step: int = 0) -> None:
+        import orbax.checkpoint as ocp
+
+        self._path = self.where = Path(path)
+        self._step = int(step)
+        self._reader = ocp.PyTreeCheckpointer()
+
+    def path(self, step: int) -> Path:
+        return self._path
+
+    def steps(self) -> list[int]:
+        return [self._step] if is_orbax_tree(self._path) else []
+
+    def _head(self, step: int) -> Head:
+        if step != self._step:
+            raise FileNotFoundError(f"{self._path} holds one checkpoint, step {self._step}")
+        return read_head(self._path)
+
+    def restore(self, step: int, like: Any = None) -> tuple[Any, dict]:
+        return restore_tree(self._reader, self._path, self._head(step), like)
+
+    def structure(self, step: int) -> dict[str, Any]:
+        return structure_of(self._head(step))
+
+    def restore_leaves(self, step: int, paths: Sequence[str]) -> dict[str, Any]:
+        return restore_some(self._reader, self._path, self._head(step), paths)
+
+    def close(self) -> None:
+        self._reader.close()
