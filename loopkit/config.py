@@ -208,6 +208,7 @@ class Config:
     summary_reduce: str = _field("last", _reduce)
     hparams: Mapping[str, bool | int | float | str] | None = _field(None, _hparams)
     progress_secs: float = _field(10, _positive_secs(False))
+    compilation_cache: bool = _field(True, _bool)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 import jax
 import numpy as np
 
+from loopkit.compile_cache import use_compilation_cache
 from loopkit.coordinator import (
     Coordinator, LooperThread, SignalHandlers, add_note, has_origin, raise_stop_errors,
 )
@@ -104,6 +105,7 @@ class Session:
         self._host_step = -1
         self._host_of: Any = None
         self._lock: LogdirLock | None = None  # the chief's claim on the logdir
+        self._uncache: Callable[[], None] | None = None  # gives JAX's cache settings back
 
     # -- the per-step path -----------------------------------------------------------
 
@@ -300,6 +302,7 @@ class Session:
         if self.logdir is not None and self.is_chief:  # one run per logdir
             self._lock = LogdirLock(self.logdir, on_lost=self.coord.request_stop)
             self._lock.acquire()
+        self._uncache = use_compilation_cache(self.config.compilation_cache, self.logdir)
         # A callable init is traced (and lowered where shardings matter), not run;
         # built is init() run for real, once, when it could not be traced.
         like, built = trace_init(init) if callable(init) else (abstract(init), None)
@@ -376,6 +379,9 @@ class Session:
             if self._lock is not None:
                 self._lock.release()
                 self._lock = None
+            if self._uncache is not None:
+                self._uncache()
+                self._uncache = None
         # a thread that failed during shutdown counts too
         raise_stop_errors(error if error is not None else coord.exception, stop_errors)
 

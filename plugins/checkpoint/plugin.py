@@ -30,7 +30,6 @@ from loopkit.coordinator import add_note
 from loopkit.errors import CheckpointError
 from loopkit.hookspec import hookimpl
 from loopkit.pytree import check_storable
-from loopkit.plugins.checkpoint.helpers import place_like
 from loopkit.plugins.checkpoint.position import encode_position
 from loopkit.plugins.checkpoint.recovery import find_restorable
 from loopkit.plugins.checkpoint.replicas import agree_to_save, host_copies
@@ -178,7 +177,10 @@ class CheckpointPlugin:
     def restore_state(self, session: Any, like: PyTree) -> Restored | None:
         backend, ledger = self._open(session)
         state = self._file
-        found = find_restorable(backend, ledger, state, place_like(like), self._path,
+        # `like` as init gives it: a leaf without a sharding comes back uncommitted on
+        # the default device, as a fresh one is, so the step compiles to the same
+        # program (and a restart finds it in the persistent compilation cache)
+        found = find_restorable(backend, ledger, state, like, self._path,
                                 self.config.recovery_wait_secs)
         ledger.adopt(None if found is None else found.step, state)
         if found is None:
