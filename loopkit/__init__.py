@@ -8,7 +8,9 @@ from loopkit.carry import StepCarry
 from loopkit.checkpoint import CheckpointBackend, Restored
 from loopkit.config import Config
 from loopkit.coordinator import Coordinator
-from loopkit.errors import CheckpointError, LogdirInUseError, NonFiniteError, PluginError
+from loopkit.errors import (
+    HANG_EXIT_CODE, CheckpointError, LogdirInUseError, NonFiniteError, PluginError,
+)
 from loopkit.hookspec import hookimpl, hookspec
 from loopkit.session import Session
 from loopkit.stash import StashKey
@@ -22,6 +24,7 @@ __all__ = [
     "CheckpointError",
     "Config",
     "Coordinator",
+    "HANG_EXIT_CODE",
     "LogdirInUseError",
     "NonFiniteError",
     "PluginError",

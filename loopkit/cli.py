@@ -1,4 +1,4 @@
-"""The `loopkit` command: `loopkit plugins`, `loopkit checkpoints LOGDIR`."""
+"""The `loopkit` command: `loopkit plugins`, `loopkit checkpoints LOGDIR`, `loopkit run -- CMD`."""
 
 from __future__ import annotations
 
@@ -39,6 +39,21 @@ def _checkpoints(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run(args: argparse.Namespace) -> int:
+    import logging
+
+    from loopkit.runner import run
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        print("loopkit run: give the command after --, e.g. loopkit run -- python train.py",
+              file=sys.stderr)
+        return 2
+    return run(command, max_restarts=args.max_restarts, max_preemptions=args.max_preemptions,
+               backoff_secs=args.backoff_secs)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="loopkit", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -47,5 +62,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     c = sub.add_parser("checkpoints", help="list the checkpoints in LOGDIR")
     c.add_argument("logdir")
     c.set_defaults(func=_checkpoints)
+    r = sub.add_parser("run", help="run a training command, restarting it after a failure "
+                                   "or a preemption until it finishes")
+    r.add_argument("--max-restarts", type=int, default=3,
+                   help="consecutive failures (crash, hang) tolerated (default 3)")
+    r.add_argument("--max-preemptions", type=int, default=100,
+                   help="preemptions tolerated (default 100)")
+    r.add_argument("--backoff-secs", type=float, default=10.0,
+                   help="wait before a restart, doubled per consecutive failure (default 10)")
+    r.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ...")
+    r.set_defaults(func=_run)
     args = parser.parse_args(argv)
     return args.func(args)

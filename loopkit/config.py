@@ -209,6 +209,7 @@ class Config:
     hparams: Mapping[str, bool | int | float | str] | None = _field(None, _hparams)
     progress_secs: float = _field(10, _positive_secs(False))
     compilation_cache: bool = _field(True, _bool)
+    hang_timeout_secs: float | None = _field(None, _positive_secs(True))
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-__all__ = ["CheckpointError", "LogdirInUseError", "NonFiniteError", "PluginError"]
+__all__ = ["CheckpointError", "HANG_EXIT_CODE", "LogdirInUseError", "NonFiniteError",
+           "PluginError"]
+
+#: The exit code of a process the hang watchdog ended (`EX_TEMPFAIL`): try again.
+HANG_EXIT_CODE = 75
 
 
 class CheckpointError(RuntimeError):

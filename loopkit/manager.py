@@ -33,6 +33,7 @@ BUILTINS = (
     "prefetch",
     "nan_guard",
     "profiler",
+    "watchdog",
 )
 
 #: Set to a non-empty value to skip third-party plugins from entry points.

@@ -10,13 +10,20 @@ from __future__ import annotations
 import math
 import time
 import zlib
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from loopkit.coordinator import add_note
 
-__all__ = ["Agreement", "Scheduler", "Timer", "agree_across_processes"]
+__all__ = ["Agreement", "RunningAction", "Scheduler", "Timer", "agree_across_processes"]
 
 NEVER = math.inf
+
+
+class RunningAction(NamedTuple):
+    """The timer action running now: its name and its start (`time.monotonic`)."""
+
+    name: str
+    since: float
 
 
 class Timer:
@@ -89,6 +96,10 @@ class Scheduler:
         self._agreement: Agreement | None = None
         #: seconds spent in each timer's action, by timer name
         self.spent: dict[str, float] = {}
+        #: the timer action running now (its name, and when it started by
+        #: `time.monotonic`), else None; and when the last one returned
+        self.running: RunningAction | None = None
+        self.last_returned: float = 0.0
 
     def add(self, action: Callable[[Any], Any], secs: float | None = None,
             steps: int | None = None, name: str = "action", step: int = 0,
@@ -189,9 +200,12 @@ class Scheduler:
                 continue
             if step >= timer.next_step or due:
                 t0 = self.clock()
+                self.running = RunningAction(timer.name, time.monotonic())
                 try:
                     timer.action(session)
                 finally:
+                    self.running = None
+                    self.last_returned = time.monotonic()
                     now = self.clock()
                     self.spent[timer.name] = self.spent.get(timer.name, 0.0) + now - t0
                 if timer.once:

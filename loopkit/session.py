@@ -23,7 +23,10 @@ from loopkit.coordinator import (
 from loopkit.data import Lookahead, make_input
 from loopkit.logdir_lock import LogdirLock
 from loopkit.pytree import abstract, check_matches, conform, trace_init
-from loopkit.scheduler import Scheduler, Timer, agree_across_processes, noted
+from loopkit.run_status import write_status
+from loopkit.scheduler import (
+    RunningAction, Scheduler, Timer, agree_across_processes, noted,
+)
 from loopkit.stash import Stash, StashKey
 from loopkit.staging import Staged
 from loopkit.step import CompiledStep
@@ -106,6 +109,7 @@ class Session:
         self._host_of: Any = None
         self._lock: LogdirLock | None = None  # the chief's claim on the logdir
         self._uncache: Callable[[], None] | None = None  # gives JAX's cache settings back
+        self._start_step = 0  # the step the session opened at (`loopkit run` reads it)
 
     # -- the per-step path -----------------------------------------------------------
 
@@ -232,6 +236,19 @@ class Session:
         return self._sched.add(run, secs, steps, name, self.step, owner)
 
     @property
+    def timer_running(self) -> RunningAction | None:
+        """The timer action running now (name, start by `time.monotonic`), or None.
+
+        With `timer_returned`, what a watchdog reads from its own thread.
+        """
+        return self._sched.running
+
+    @property
+    def timer_returned(self) -> float:
+        """When the last timer action returned (`time.monotonic`; 0.0 before any)."""
+        return self._sched.last_returned
+
+    @property
     def timers(self) -> tuple[Timer, ...]:
         """The live timers of this session (name, secs, steps), in registration order."""
         return tuple(t for t in self._sched.timers if not t.cancelled)
@@ -342,6 +359,9 @@ class Session:
         # Built-in services' session_create are `tryfirst`: they start before every
         # other plugin's, so the summary writer and the checkpoint backend are ready.
         hook.session_create(session=self)
+        self._start_step = self.step
+        write_status(stop_reason=None, step=self.step, start_step=self.step,
+                     logdir=self.logdir)
 
     def _arm_stops(self) -> None:
         coord, max_steps = self.coord, self.config.max_steps
@@ -382,6 +402,9 @@ class Session:
             if self._uncache is not None:
                 self._uncache()
                 self._uncache = None
+        failed = error is not None or bool(stop_errors)
+        write_status(stop_reason="error" if failed else coord.reason, step=self.step,
+                     start_step=self._start_step, logdir=self.logdir)
         # a thread that failed during shutdown counts too
         raise_stop_errors(error if error is not None else coord.exception, stop_errors)
 

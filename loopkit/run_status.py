@@ -1,0 +1,36 @@
+"""What a training process tells `loopkit run` about itself (``LOOPKIT_RUN_STATUS``).
+
+Under the runner, the environment names a file; `train` and `managed_session`
+write a JSON object there when a session opens (``stop_reason`` None) and when it
+closes: ``{"stop_reason", "step", "start_step", "logdir"}``. The runner reads it
+after the process exits to tell a finished run from a preempted or failed one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from loopkit.fs import atomic_write_bytes
+
+__all__ = ["STATUS_ENV", "read_status", "write_status"]
+
+STATUS_ENV = "LOOPKIT_RUN_STATUS"
+
+
+def write_status(**fields: Any) -> None:
+    """Write `fields` to the runner's status file, when there is a runner."""
+    path = os.environ.get(STATUS_ENV)
+    if path:
+        atomic_write_bytes(path, json.dumps(fields, default=str).encode())
+
+
+def read_status(path: str) -> dict[str, Any] | None:
+    """The status a process wrote, or None (it never opened a session, or died first)."""
+    try:
+        with open(path, "rb") as f:
+            value = json.loads(f.read() or b"null")
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
