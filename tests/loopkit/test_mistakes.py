@@ -87,12 +87,11 @@ def test_a_step_that_changes_a_shape_is_named():
                       init={"params": [jnp.ones(3)]}, max_steps=2, **QUIET)
 
 
-def test_a_weak_leaf_that_the_step_makes_strong_is_named_with_the_fix():
-    with pytest.raises(TypeError, match=r"changed state leaf 'lr' from float32\[\], weakly "
-                                        r"typed to float32\[\].*jnp.asarray\(value, "
-                                        r"jnp.float32\)"):
-        loopkit.train(lambda s: ({"lr": s["lr"] * jnp.float32(0.5)}, {}),
-                      init={"lr": 0.1}, max_steps=2, **QUIET)
+def test_a_weak_leaf_that_the_step_makes_strong_trains():
+    # one more compile, once; the checkpoint holds the strong leaf: not a mistake
+    r = loopkit.train(lambda s: ({"lr": s["lr"] * jnp.float32(0.5)}, {}), init={"lr": 0.1},
+                      max_steps=3, **QUIET)
+    assert float(r.state["lr"]) == pytest.approx(0.0125)
 
 
 def test_a_well_formed_step_with_python_scalars_and_keys_trains():

@@ -256,7 +256,9 @@ def test_sigkill_during_saves_to_s3_then_resume_equals_uninterrupted(bucket, tmp
                               checkpoint_backend=None, disable=("summaries",),
                               progress=False, autoload=False).state
     url, out, log = f"s3://{bucket}/run", tmp_path / "final.npz", tmp_path / "stderr.txt"
-    env = dict(os.environ, LOOPKIT_DISABLE_PLUGIN_AUTOLOAD="1")
+    # a killed life leaves its lease on the logdir: the next one waits for it to expire
+    # (4 renewals), quickly here
+    env = dict(os.environ, LOOPKIT_DISABLE_PLUGIN_AUTOLOAD="1", LOOPKIT_LEASE_RENEW_SECS="0.5")
     starts, kills = [], 0
     for life in range(6):
         with open(log, "ab") as err:
