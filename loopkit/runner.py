@@ -97,10 +97,10 @@ def _progressed(status: dict[str, Any] | None) -> bool:
     """Whether the child committed a checkpoint past the step it started at."""
     if not status or not status.get("logdir"):
         return False
-    from loopkit.plugins.checkpoint import latest_checkpoint
+    import loopkit  # its public helper, as a user's script would call it
 
     try:
-        found = latest_checkpoint(status["logdir"])
+        found = loopkit.latest_checkpoint(status["logdir"])
     except Exception:  # noqa: BLE001 - unreadable: count it as no progress
         return False
     return found is not None and found[0] > int(status.get("start_step") or 0)

@@ -39,6 +39,7 @@ from loopkit.carry import CarriedMetrics, attach, first_values, update_all
 from loopkit.pytree import abstract
 from loopkit.staging import Spare, Staged, aval, copied, to_host, views, views_protect
 from loopkit.step_checks import RecompileWatch, check_step_output
+from loopkit.step_layout import on_cpu_devices, one_in_flight, pins
 
 if TYPE_CHECKING:
     from loopkit.carry import StepCarry
@@ -264,7 +265,7 @@ class CompiledStep:
 
     def _build(self, state: PyTree, batch: tuple) -> None:
         fn, carries = self.fn, self.carries
-        self._wait_each = _on_cpu_devices(jax.tree.leaves(state))
+        self._wait_each = on_cpu_devices(jax.tree.leaves(state))
         if self.user_jitted:
             self._normal = fn
             self._unchecked = abstract(state)  # checked on what its first call returns
@@ -279,7 +280,7 @@ class CompiledStep:
             frozen = tuple(i for i in range(n) if jaxpr.outvars[i] is jaxpr.invars[i])
             rewritten = tuple(i for i in range(n) if i not in set(frozen))
             self._layout = _Layout(treedef, rewritten, frozen,
-                                   _pins([leaves[i] for i in rewritten]))
+                                   pins([leaves[i] for i in rewritten]))
         elif carries:
             out = jax.eval_shape(fn, state, *batch)
             check_step_output(out, state)
@@ -381,7 +382,7 @@ class CompiledStep:
         else:
             normal = (functools.partial(self._donating, self.frozen) if self._bound
                       else self._donating)
-        self._normal = _one_in_flight(normal) if self._wait_each else normal
+        self._normal = one_in_flight(normal) if self._wait_each else normal
 
     def _protected(self, live: Any, *batch: Any) -> Any:
         """One call that donates none of `live`'s current buffers."""
@@ -408,49 +409,3 @@ class CompiledStep:
             self._ahead = True  # the normal variant, compiled before it is first needed
             self._donating.lower(*args).compile()
         return self._plain(*args)
-
-
-def _on_cpu_devices(leaves: Sequence[Any]) -> bool:
-    """Whether the state spans several CPU devices (a forced host device count).
-
-    There XLA:CPU runs each device's part of a step on one shared thread pool, and
-    two steps in flight can deadlock a collective: each holds a pool thread at an
-    all-reduce whose partner cannot be scheduled, and after 40 s the process aborts
-    (measured: a 2x2 FSDP step on a 2-core machine, 4 runs of 4 with a plain jax
-    loop too; none when each step is awaited). So there each step is awaited
-    before the next is dispatched; on GPUs and TPUs dispatch stays asynchronous.
-    """
-    devices = {d for x in leaves if isinstance(x, jax.Array) for d in x.sharding.device_set}
-    return len(devices) > 1 and all(d.platform == "cpu" for d in devices)
-
-
-def _one_in_flight(step: Callable[..., Any]) -> Callable[..., Any]:
-    """`step`, returning once its outputs are computed (see `_on_cpu_devices`)."""
-
-    def call(*args: Any) -> Any:
-        return jax.block_until_ready(step(*args))
-
-    return call
-
-
-def _pins(leaves: Sequence[Any]) -> tuple[Any, ...] | None:
-    """Each rewritten leaf's output sharding: its own, on a state spread over devices.
-
-    A state on one device keeps no pins (there is nothing to re-lay out). Leaves
-    that are not committed jax arrays (Python scalars, numpy, uncommitted arrays)
-    are replicated over the mesh of the others.
-    """
-    spread = [x.sharding for x in leaves
-              if isinstance(x, jax.Array) and len(x.sharding.device_set) > 1]
-    if not spread:
-        return None
-    mesh = next((s.mesh for s in spread if isinstance(s, jax.sharding.NamedSharding)), None)
-    replicated = (jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-                  if mesh is not None else spread[0])
-    out = []
-    for x in leaves:
-        if isinstance(x, jax.Array) and (x.committed or len(x.sharding.device_set) > 1):
-            out.append(x.sharding)
-        else:
-            out.append(replicated)
-    return tuple(out)
