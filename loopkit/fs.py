@@ -6,10 +6,13 @@ name by an atomic rename, and the directory holding that name is fsynced.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
+from typing import Any, Callable
 
-__all__ = ["atomic_write_bytes", "atomic_write_text", "fsync_dir", "fsync_file", "fsync_tree"]
+__all__ = ["atomic_write_bytes", "atomic_write_text", "fsync_dir", "fsync_file", "fsync_tree",
+           "read_json_object"]
 
 
 def fsync_file(path: str | os.PathLike[str]) -> None:
@@ -55,3 +58,12 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def read_json_object(read: Callable[[], bytes]) -> dict[str, Any] | None:
+    """The JSON object `read()` returns, or None (missing, empty, unreadable or not an object)."""
+    try:
+        value = json.loads(read().decode() or "null")
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None

@@ -33,6 +33,7 @@ from typing import Any, Callable
 
 from loopkit import storage
 from loopkit.errors import LogdirInUseError
+from loopkit.fs import read_json_object
 
 __all__ = ["LOCK_NAME", "LEASE_NAME", "LogdirLock", "renew_secs"]
 
@@ -104,7 +105,7 @@ class LogdirLock:
         except BlockingIOError:
             holder = None
             for _ in range(20):  # the holder writes its name right after locking
-                holder = _read_json(lambda: os.pread(fd, 4096, 0))
+                holder = read_json_object(lambda: os.pread(fd, 4096, 0))
                 if holder:
                     break
                 time.sleep(0.05)
@@ -126,7 +127,7 @@ class LogdirLock:
     def _read_lease(self) -> dict[str, Any] | None:
         if not storage.exists(self._lease):
             return None
-        return _read_json(lambda: storage.read_bytes(self._lease))
+        return read_json_object(lambda: storage.read_bytes(self._lease))
 
     def _write_lease(self, since: float | None = None) -> None:
         lease = {**_holder(), "token": self._token, "renewed": time.time()}
@@ -206,10 +207,3 @@ class LogdirLock:
                 log.warning("loopkit: could not remove the lease on %s", self.logdir,
                             exc_info=True)
 
-
-def _read_json(read: Callable[[], bytes]) -> dict[str, Any] | None:
-    try:
-        value = json.loads(read().decode() or "null")
-    except (OSError, ValueError):
-        return None
-    return value if isinstance(value, dict) else None

@@ -12,7 +12,7 @@ import json
 import os
 from typing import Any
 
-from loopkit.fs import atomic_write_bytes
+from loopkit.fs import atomic_write_bytes, read_json_object
 
 __all__ = ["STATUS_ENV", "read_status", "write_status"]
 
@@ -28,9 +28,9 @@ def write_status(**fields: Any) -> None:
 
 def read_status(path: str) -> dict[str, Any] | None:
     """The status a process wrote, or None (it never opened a session, or died first)."""
-    try:
+
+    def read() -> bytes:
         with open(path, "rb") as f:
-            value = json.loads(f.read() or b"null")
-    except (OSError, ValueError):
-        return None
-    return value if isinstance(value, dict) else None
+            return f.read()
+
+    return read_json_object(read)

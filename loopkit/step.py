@@ -254,10 +254,10 @@ class CompiledStep:
         if self._protect:
             self._protect = False
             out = self._protected(live, *batch)
+            if self._wait_each:  # `_normal` itself waits; a protected call may not
+                jax.block_until_ready(out)
         else:
             out = self._normal(live, *batch)
-        if self._wait_each:
-            jax.block_until_ready(out)
         if self._unchecked is not None:  # a step not traced by loopkit: its first output
             like, self._unchecked = self._unchecked, None
             check_step_output(out, like)

@@ -14,7 +14,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
-import numpy as np
 
 from loopkit.pytree import _first_difference, _short, abstract, leaves_with_paths
 
@@ -94,8 +93,7 @@ def _check_same_state(new: PyTree, old: PyTree) -> None:
             continue
         # a weak type turned strong (a Python 0.1 in init times a float32 array) costs
         # one more compile, once, and resumes exactly: not refused
-        if (tuple(x.shape), np.dtype(x.dtype) if not _key(x) else x.dtype) != (
-                tuple(y.shape), np.dtype(y.dtype) if not _key(y) else y.dtype):
+        if (tuple(x.shape), x.dtype) != (tuple(y.shape), y.dtype):
             fix = ""
             if tuple(x.shape) == tuple(y.shape):
                 fix = f": cast it back in the step, e.g. `.astype(jnp.{y.dtype})`"
@@ -104,12 +102,6 @@ def _check_same_state(new: PyTree, old: PyTree) -> None:
                 f"{describe(y)} to {describe(x)}{fix}; a state leaf keeps its shape and "
                 "dtype from step to step (a drifting one compiles the step again and "
                 "fails the next resume)")
-
-
-def _key(x: Any) -> bool:
-    from loopkit.pytree import is_key
-
-    return is_key(x.dtype)
 
 
 class RecompileWatch:

@@ -227,8 +227,6 @@ class OrbaxBackend:
 
     def _write(self, final: Path, tree: Any, custom: dict) -> None:
         """The background part of a save: host copy, orbax's write, fsyncs, rename."""
-        import orbax.checkpoint as ocp
-
         try:
             with saving_lock(self.directory):
                 trash = final.with_name(f".{final.name}.replaced")
