@@ -14,7 +14,9 @@ collective cannot be stopped gracefully. Committed checkpoints are untouched; a
 save in flight is abandoned, as after a SIGKILL, and cleaned at the next start.
 
 Nothing runs per step: the thread reads `session.step` every quarter of the
-timeout (at most once a second).
+timeout (at most once a second). With several processes it also publishes that
+step in `jax.distributed`'s key-value store when it changed, and a report lists
+every process's step and names the ones behind.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from loopkit import storage
 from loopkit.config import Config
 from loopkit.errors import HANG_EXIT_CODE
 from loopkit.hookspec import hookimpl
+from loopkit.plugins.hang_peers import ProcessSteps
 
 if TYPE_CHECKING:
     from loopkit.session import Session
@@ -74,21 +77,32 @@ class HangWatchdog:
             if self._stop.wait(poll) or session.should_stop():
                 return
         step, moved = session.step, time.monotonic()
+        steps = ProcessSteps.connect()
+        steps.publish(step)
         # the loop is watched until a stop is requested; the final save after it
         # is bounded by the orchestrator's grace period, not by this thread
         while not self._stop.wait(poll) and not session.should_stop():
             now = time.monotonic()
             if session.step != step:
                 step, moved = session.step, now
+                steps.publish(step)
             moved = max(moved, session.timer_returned)
             running = session.timer_running
             since = running.since if running is not None else moved
             if now - since >= self.timeout and not self._stop.is_set():
-                self._hang(session, now - since, running)
+                steps.publish(session.step)
+                self._hang(session, now - since, running, steps)
                 return
 
-    def _hang(self, session: Session, idle: float, running: Any) -> None:
-        report = hang_report(session, idle, self.timeout, running)
+    def _hang(self, session: Session, idle: float, running: Any,
+              steps: ProcessSteps | None = None) -> None:
+        steps = steps or ProcessSteps(None)
+        # every process of a hung job fires within a poll of the others: meet in
+        # the store first, so each report can say which process is behind
+        bound = min(self.timeout, 30.0)
+        steps.mark_hung(session.step)
+        peers = steps.gather("hung", bound)
+        report = hang_report(session, idle, self.timeout, running, steps, peers)
         self.report = report
         path = _write(session, report)
         log.error("loopkit: no progress for %.0f s (Config.hang_timeout_secs=%s): ending the "
@@ -101,10 +115,15 @@ class HangWatchdog:
                 pass
         sys.stdout.flush()
         sys.stderr.flush()
+        # the chief hosts the job's coordinator: its exit aborts the others, so it
+        # leaves last, once every process has written its report (bounded)
+        steps.mark("reported")
+        steps.await_exit_turn(bound)
         self._exit(HANG_EXIT_CODE)
 
 
-def hang_report(session: Session, idle: float, timeout: float, running: Any) -> str:
+def hang_report(session: Session, idle: float, timeout: float, running: Any,
+                steps: ProcessSteps | None = None, peers: dict | None = None) -> str:
     """The text of a hang report: where the loop is, and every thread's stack."""
     import jax
 
@@ -120,6 +139,8 @@ def hang_report(session: Session, idle: float, timeout: float, running: Any) -> 
     else:
         lines.append(f"waiting in the step function, the data source or a hook, for step "
                      f"{session.step + 1}")
+    if steps is not None and steps.client is not None:
+        lines.append(steps.describe(peers or {}))
     lines += ["", "Python stacks of every thread (most recent call first):",
               _python_stacks(), "", _native_stacks()]
     return "\n".join(lines)
@@ -133,7 +154,9 @@ def _python_stacks() -> str:
 
 
 def _native_stacks() -> str:
-    spy = shutil.which("py-spy")
+    # beside this interpreter too: a venv's python run without activating it
+    spy = shutil.which("py-spy") or shutil.which(
+        "py-spy", path=os.path.dirname(sys.executable))
     if spy is None:
         return ("native stacks: py-spy is not installed (pip install 'jax-loopkit[debug]' "
                 "adds them)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -240,3 +241,63 @@ def test_four_processes_sharded_state_resume_on_two(tmp_path):
         np.testing.assert_array_equal(started["w"], saved["w"])  # the exact saved values
         np.testing.assert_array_equal(started["b"], saved["b"])
     assert (four / "checkpoint").read_text().startswith('model_checkpoint_path: "model.ckpt-25"')
+
+
+def start_under_runners(logdir, out, steps, *extra):
+    """Two processes, each under its own `loopkit run`, as two hosts of a job would."""
+    port = free_port()
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    procs = []
+    for i in range(2):
+        args = [sys.executable, "-m", "loopkit", "run", "--backoff-secs", "1", "--",
+                sys.executable, str(WORKER), str(logdir), str(out / f"p{i}.npz"), "2", str(i),
+                str(port), str(steps), *extra]
+        stdout = open(out / f"r{i}.out", "w+")
+        stderr = open(out / f"r{i}.err", "w+")
+        proc = subprocess.Popen(args, stdout=stdout, stderr=stderr, text=True, env=env)
+        proc.files = (stdout, stderr)
+        procs.append(proc)
+    return procs
+
+
+def plan(path, p0, p1):
+    for i, lines in enumerate((p0, p1)):
+        Path(f"{path}.p{i}").write_text("\n".join(lines) + "\n")
+    return ["--plan", str(path)]
+
+
+def test_a_blocked_process_ends_both_and_each_report_names_it(tmp_path):
+    # process 1's data reader blocks at batch 20: process 0 waits for it in a collective
+    procs = start(tmp_path, tmp_path, 2, 60, "--save-steps", "4", "--hang-secs", "5",
+                  *plan(tmp_path / "plan", ["ok"], ["hang 20"]))
+    outs = finish(procs, ok=False)
+    assert [code for code, _, _ in outs] == [75, 75], [o[2][-2000:] for o in outs]
+    reports = sorted((tmp_path / "hangs").glob("hang-*.txt"))
+    assert [r.name.split("-")[1] for r in reports] == ["0", "1"]  # one report per process
+    for r in reports:
+        text = r.read_text()
+        assert "process 1 is behind" in text or "process 1 is at step" in text, text[:3000]
+        assert "process 0: step" in text and "process 1: step" in text
+    # process 1's own stacks show its reader blocked in the user's data function
+    assert re.search(r'distributed_worker.py", line \d+ in data', reports[1].read_text())
+    assert "model.ckpt-" in (tmp_path / "checkpoint").read_text()  # committed ones intact
+
+
+def test_two_runners_survive_a_sigkill_of_one_child_and_finish_bitwise(tmp_path):
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    for d in (ref, run):
+        d.mkdir()
+    finish(start(ref, ref, 2, 40, "--save-steps", "4"))
+    # process 1 SIGKILLs itself after step 10; process 0 then fails in the step's
+    # collective; each runner restarts its own process and they meet again
+    runners = start_under_runners(run, run, 40, "--save-steps", "4", "--hang-secs", "20",
+                                  *plan(run / "plan", ["ok"] * 4, ["crash 10"] + ["ok"] * 3))
+    outs = finish(runners)
+    assert all("RESULT 40 max_steps" in out for _, out, _ in outs), outs
+    assert (run / "plan.p1.starts").read_text().splitlines()[:2] == ["crash 10", "ok"]
+    assert "killed by SIGKILL" in outs[1][2]  # runner 1 restarted its killed child
+    assert "the child failed" in outs[0][2]  # runner 0 restarted the process that failed with it
+    for i in range(2):
+        a, b = load(ref / f"p{i}.npz"), load(run / f"p{i}.npz")
+        np.testing.assert_array_equal(a["w"], b["w"])
+        np.testing.assert_array_equal(a["b"], b["b"])

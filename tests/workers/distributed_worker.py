@@ -8,11 +8,17 @@
 fed the same batches on every process, without data_sharding; --differ seeds them
 with the process index. --data-lens: process i's data ends after global step N_i.
 --shard-state: `w` is sharded over every device of every process.
+--plan FILE: this process's plan for this start, the first line of FILE.p<ID> (removed
+as it is read, as tests/workers/run_worker.py does): "crash N" SIGKILLs the process
+after step N, "hang N" blocks its data reader at batch N, "ok" trains on.
+--hang-secs S: Config.hang_timeout_secs.
 """
 
 import argparse
 import os
+import signal
 import sys
+import threading
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -37,10 +43,24 @@ def main():
     p.add_argument("--host-local", action="store_true")
     p.add_argument("--differ", action="store_true")
     p.add_argument("--shard-state", action="store_true")
+    p.add_argument("--plan", default=None)
+    p.add_argument("--hang-secs", type=float, default=None)
+    p.add_argument("--heartbeat-secs", type=int, default=100)
     args = p.parse_args()
+    plan = ["ok"]
+    if args.plan:
+        plan_file = f"{args.plan}.p{args.process_id}"
+        with open(plan_file) as f:
+            lines = f.read().splitlines()
+        plan = lines[0].split() if lines else ["ok"]
+        with open(plan_file, "w") as f:
+            f.write("\n".join(lines[1:]))
+        with open(plan_file + ".starts", "a") as f:
+            f.write(" ".join(plan) + "\n")
     if args.num_processes > 1:
         jax.distributed.initialize(f"127.0.0.1:{args.port}", args.num_processes,
-                                   args.process_id, initialization_timeout=60)
+                                   args.process_id, initialization_timeout=60,
+                                   heartbeat_timeout_seconds=args.heartbeat_secs)
 
     import jax.numpy as jnp
     import numpy as np
@@ -70,6 +90,8 @@ def main():
         rows = slice(i * 16 // n, (i + 1) * 16 // n)
         step = start_step
         while data_len is None or step < data_len:
+            if plan[0] == "hang" and step == int(plan[1]):
+                threading.Event().wait()
             x = np.random.default_rng(step).normal(size=(16, 8)).astype(np.float32)
             yield x[rows], (x @ true_w + 0.5)[rows]
             step += 1
@@ -99,12 +121,15 @@ def main():
         def after_step(self, step):
             if args.step_sleep:
                 time.sleep(args.step_sleep)
+            if plan[0] == "crash" and step == int(plan[1]):
+                os.kill(os.getpid(), signal.SIGKILL)
 
     r = loopkit.train(step_fn, init=init, data=data,
                       data_sharding=None if args.host_local else batch_sharding,
                       logdir=args.logdir, max_steps=args.max_steps, plugins=[Pace()],
                       save_model_secs=args.save_secs, save_model_steps=args.save_steps,
-                      save_summaries_steps=5, progress=False)
+                      save_summaries_steps=5, progress=False,
+                      hang_timeout_secs=args.hang_secs)
     state = host(r.state)
     np.savez(args.out, w=state["w"], b=state["b"], step=r.step)
     print(f"RESULT {r.step} {r.stop_reason}", flush=True)
