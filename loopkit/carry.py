@@ -22,7 +22,7 @@ the carry's arrays are donated with the state.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 __all__ = ["CarriedMetrics", "StepCarry", "attach", "first_values", "update_all"]
 
@@ -57,7 +57,7 @@ class StepCarry:
         #: metric arrays of its own (one output less per metric) when no plugin needs
         #: them per step, and `session.metrics` reads them from the carry.
         self.metrics_of: Callable[[PyTree], Mapping[str, Any]] | None = None
-        self._store: _Store | None = None
+        self._store: CarryStore | None = None
         self._index = 0
         self._value: PyTree = None  # until the session threads it
 
@@ -66,17 +66,18 @@ class StepCarry:
         store = self._store
         if store is None:
             return self._value
-        return None if store.values is None else store.values[self._index]
+        values = store.carry_values
+        return None if values is None else values[self._index]
 
     @value.setter
     def value(self, new: PyTree) -> None:
         store = self._store
-        if store is None or store.values is None:
+        if store is None or store.carry_values is None:
             self._value = new
             return
-        values = list(store.values)
+        values = list(store.carry_values)
         values[self._index] = new
-        store.values = tuple(values)
+        store.carry_values = tuple(values)
 
 
 class CarriedMetrics(Mapping):
@@ -109,29 +110,14 @@ class CarriedMetrics(Mapping):
         return len(self._now())
 
 
-class _Store:
-    """Every carry's value in one tuple, held by the compiled step between steps.
+class CarryStore(Protocol):
+    """Where the carries' values live between steps (the compiled step's `live`)."""
 
-    The loop keeps ``(state part, values)`` as one donated argument of the jitted
-    step; `values` reads and writes the second half there, so nothing runs per step.
-    """
-
-    def __init__(self, owner: Any) -> None:
-        self._owner = owner  # a `loopkit.step.CompiledStep`
-
-    @property
-    def values(self) -> tuple | None:
-        live = self._owner.live
-        return None if live is None else live[1]
-
-    @values.setter
-    def values(self, new: tuple) -> None:
-        self._owner.live = (self._owner.live[0], tuple(new))
+    carry_values: tuple | None
 
 
-def attach(carries: Sequence[StepCarry], owner: Any) -> None:
-    """Make `carries` read and write their values in `owner.live[1]`."""
-    store = _Store(owner)
+def attach(carries: Sequence[StepCarry], store: CarryStore) -> None:
+    """Make `carries` read and write their values in `store.carry_values`."""
     for i, c in enumerate(carries):
         c._store, c._index = store, i
 

@@ -27,6 +27,7 @@ by a host copy at a save, never copied leaf by leaf.
 
 from __future__ import annotations
 
+import enum
 import functools
 import logging
 from types import MappingProxyType
@@ -68,12 +69,23 @@ class _Layout(NamedTuple):
     pins: tuple[Any, ...] | None  # per rewritten leaf: its pinned sharding (None: none)
 
 
+class Phase(enum.Enum):
+    """What the compiled step's next call does; `call` is that phase's function."""
+
+    ENTER = "enter"    # a state set from outside: split it (build at the first call), step
+    NORMAL = "normal"  # the jitted step, donating `live`
+    SPARE = "spare"    # CPU, the step after a save: writes into a spare, not into `live`
+    ENDED = "ended"    # the session is over: every call raises
+
+
 class CompiledStep:
     """`step_fn` as the loop calls it: ``live, metrics = call(live, *batch)``.
 
     `live` is what the step donates: the rewritten leaves (a tuple), paired with the
     carries' values when there are carries (`state` assembles the full state from it);
-    `set_state` replaces the state, split again at the next call.
+    `set_state` replaces the state, split again at the next call. `phase` says what
+    the next call does; `_to` is the one place it changes, and `call` with it (the
+    loop calls `call` directly: no dispatch per step).
     """
 
     def __init__(self, fn: Callable[..., Any], config: Config,
@@ -100,6 +112,7 @@ class CompiledStep:
         #: (the state itself for a step the user jitted)
         self.live: Any = None
         self.frozen: tuple = ()
+        self.phase = Phase.ENTER
         self.call: Callable[..., Any] = self._enter
         self._pending: Any = _UNSET  # a state set from outside, split at the next call
         self._protect = True  # the first call of a session never donates
@@ -107,7 +120,7 @@ class CompiledStep:
         self._donating: Any = None  # the jitted inner (donating where allowed)
         self._plain: Any = None     # its non-donating variant, built on demand
         self._normal: Callable[..., Any] | None = None
-        self._ended = False
+        self._ended: Callable[..., Any] | None = None  # what calls do after `end`
         self._ahead = False  # the donating variant compiled (off CPU)
         self._firsts: tuple = ()
         self._spare: Spare | None = None  # CPU: the step after a save writes elsewhere
@@ -129,8 +142,7 @@ class CompiledStep:
                 # the next call donates none of them
                 self._protect = True
             self._spare.forget()
-        if not self._ended:
-            self.call = self._enter
+        self._to(Phase.ENTER)
 
     def state(self) -> PyTree:
         """The current state, assembled from `live` and the frozen leaves."""
@@ -148,6 +160,15 @@ class CompiledStep:
         for i, x in zip(layout.frozen, self.frozen):
             leaves[i] = x
         return layout.treedef.unflatten(leaves)
+
+    @property
+    def carry_values(self) -> tuple | None:
+        """The carries' values, the second half of `live` (None before the first call)."""
+        return None if self.live is None else self.live[1]
+
+    @carry_values.setter
+    def carry_values(self, new: tuple) -> None:
+        self.live = (self.live[0], tuple(new))
 
     def _donated_leaves(self) -> list[Any]:
         if self._pending is not _UNSET:
@@ -180,9 +201,9 @@ class CompiledStep:
         """CPU: the saver reads `part` itself and the next step writes into a spare, or
         the saver reads a copy of `part`, which becomes a spare once released; None
         after a state set from outside (split at the next call): `part` is copied."""
-        steady = self._pending is _UNSET and self.call is self._normal
+        steady = self._pending is _UNSET and self.phase is Phase.NORMAL
         if steady and spare.take(part):
-            self.call = self._spare_call
+            self._to(Phase.SPARE)
         if spare.next is not None:  # the next call writes into a spare: `part` is safe
             return Staged(state, None, spare.releaser(part))
         if not steady:
@@ -216,7 +237,7 @@ class CompiledStep:
             # a caller may go on after a failed step: the saver still reads `live`
             self.skip_donation_once()
             raise
-        self.call = self._normal
+        self._to(Phase.NORMAL)
         if self._wait_each:
             jax.block_until_ready(out)
         return out
@@ -226,15 +247,22 @@ class CompiledStep:
         self._protect = True
         if self._spare is not None:
             self._spare.next = None
-        if not self._ended:
-            self.call = self._enter
+        self._to(Phase.ENTER)
 
     def end(self, ended: Callable[..., Any]) -> None:
         """The session is over: every call now goes to `ended`."""
-        self._ended = True
-        self.call = self._normal = ended
+        self._ended = self._normal = ended
+        self._to(Phase.ENDED)
         if self._spare is not None:
             self._spare.close()
+
+    def _to(self, phase: Phase) -> None:
+        """Make `phase` the next call's; nothing leaves `ENDED`."""
+        if self.phase is Phase.ENDED:
+            return
+        self.phase = phase
+        self.call = {Phase.ENTER: self._enter, Phase.NORMAL: self._normal,
+                     Phase.SPARE: self._spare_call, Phase.ENDED: self._ended}[phase]
 
     # -- the first call: trace, sort the leaves, jit ---------------------------------------
 
@@ -250,7 +278,7 @@ class CompiledStep:
             self._bind()
         live = self.live
         assert self._normal is not None
-        self.call = self._normal
+        self._to(Phase.NORMAL)
         if self._protect:
             self._protect = False
             out = self._protected(live, *batch)

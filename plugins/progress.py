@@ -21,18 +21,22 @@ from typing import TYPE_CHECKING, Any, Mapping, TextIO
 
 from loopkit.config import Config
 from loopkit.hookspec import hookimpl
+from loopkit.stash import StashKey
 from loopkit.plugins.summary_values import chosen
 
 if TYPE_CHECKING:
     from loopkit.session import Session
 
-__all__ = ["BAR_SECS", "LOG_SECS", "METRICS_SECS", "ProgressPlugin", "format_duration",
-           "format_metrics", "plugin", "time_shares"]
+__all__ = ["BAR_SECS", "LOG_SECS", "METRICS_SECS", "RATE_SHOWN", "ProgressPlugin",
+           "format_duration", "format_metrics", "plugin", "time_shares"]
 
 INACTIVE = "Config.progress is False"
 
 #: seconds between log lines when stderr is not a terminal (`Config.progress_secs`' default)
 LOG_SECS = 10.0
+#: True in `session.stash` while a bar shows the step rate: others need not log it
+RATE_SHOWN = StashKey[bool]()
+
 #: seconds between bar updates on a terminal (no device sync: a step count)
 BAR_SECS = 0.25
 #: seconds between metric refreshes on the bar (each waits for the latest step)
@@ -120,6 +124,7 @@ class ProgressPlugin:
                             file=stream, dynamic_ncols=True, mininterval=0, miniters=1,
                             desc="resumed" if session.restored is not None else None)
             session.every(self._update_bar, secs=self.bar_secs, name="progress")
+            session.stash[RATE_SHOWN] = True
             from tqdm.contrib.logging import logging_redirect_tqdm
 
             # log records (loopkit's and the user's) print above the bar, not through it

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from loopkit.config import Config
 from loopkit.hookspec import hookimpl
+from loopkit.plugins.progress import RATE_SHOWN
 
 if TYPE_CHECKING:
     from loopkit.session import Session
@@ -56,8 +57,7 @@ class StepCounterPlugin:
         if writer is not None:
             writer.add_scalar(TAG, rate, step)
         # on a terminal the progress bar shows the rate: no line through it
-        bar = getattr(session.plugin_manager.get_plugin("progress"), "bar", None)
-        log.log(logging.DEBUG if bar is not None else logging.INFO,
+        log.log(logging.DEBUG if session.stash.get(RATE_SHOWN, False) else logging.INFO,
                 "loopkit: %s: %.4g (step %d)", TAG, rate, step)
 
     @hookimpl
