@@ -46,3 +46,30 @@ def test_docs_link_targets_exist():
     for path in DOCS:
         for target in re.findall(r"\]\(([^)#:]+)\)", path.read_text()):
             assert (path.parent / target).exists(), f"{path.name} links to missing {target}"
+
+
+def test_every_documented_session_attribute_exists(tmp_path):
+    """`session.x` and `session.x.y` named in the docs are there on a live session."""
+    import loopkit
+
+    named = set()
+    for path in DOCS:
+        for first, second in re.findall(r"`session\.([a-z_]+)(?:\.([a-z_]+))?", path.read_text()):
+            named.add((path.name, first, second))
+    assert len(named) >= 10
+    seen = {}
+
+    class Look:
+        @loopkit.hookimpl
+        def session_create(self, session):
+            for name, first, second in sorted(named):
+                obj = getattr(session, first, AttributeError)
+                if obj is not AttributeError and second:
+                    obj = getattr(obj, second, AttributeError)
+                seen[(name, first, second)] = obj is not AttributeError
+
+    loopkit.train(lambda s, b: (s, {}), init={"w": 0.0}, data=[1] * 2, plugins=[Look()],
+                  logdir=str(tmp_path), progress=False, autoload=False)
+    missing = [f"{n}: session.{a}{'.' + b if b else ''}" for (n, a, b), ok in seen.items()
+               if not ok]
+    assert not missing, f"documented but absent: {missing}"
