@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -61,3 +62,30 @@ def test_a_2x2_fsdp_tensor_parallel_step_on_a_cpu_mesh_runs_2000_steps(tmp_path,
                           capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode == 0 and "OK 2000" in proc.stdout, (
         f"exit {proc.returncode}: {proc.stderr[-3000:]}")
+
+
+COMPILES_WORKER = Path(__file__).parent.parent / "workers" / "mesh_compiles_worker.py"
+
+
+@pytest.mark.parametrize("devices", [1, 4])
+def test_a_resumed_session_compiles_what_a_fresh_one_does_and_the_cache_serves_it(
+        tmp_path, devices):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([sys.executable, str(COMPILES_WORKER), str(tmp_path), str(devices)],
+                          capture_output=True, text=True, timeout=400, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cases = json.loads(proc.stdout.splitlines()[-1])
+    assert sorted(cases) == ["auto-last", "auto-mean", "explicit-last", "explicit-mean"]
+    for name, c in cases.items():
+        steps = {k: sorted(n for n in c[k]["compiled"] if "inner" in n)
+                 for k in ("fresh", "resumed", "cached")}
+        # the step once, and on CPU its save variant once: "mean" adds no recompile
+        assert steps["fresh"] == ["jit(inner)", "jit(inner_with_spare)"], (name, c)
+        assert steps["resumed"] == steps["fresh"], (name, c)  # a restore changes no signature
+        # a restart reads the step from the cache beside the run: nothing compiled anew
+        hits = sorted(h for h in c["cached"]["cache_hits"] if "inner" in h)
+        assert hits == ["jit_inner", "jit_inner_with_spare"], (name, c["cached"])
+        fresh, resumed = c["shardings"]
+        assert resumed == fresh, name  # every leaf placed as `init` placed it
+        assert c["committed"][1] == c["committed"][0], name
