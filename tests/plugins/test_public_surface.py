@@ -6,6 +6,15 @@ from __future__ import annotations
 from pathlib import Path
 
 
+#: the one private import a built-in makes, and why (each entry justified here)
+PRIVATE_IMPORTS = {
+    # DESIGN ("A hang is a failure") has each process publish its step in
+    # jax.distributed's key-value store; JAX 0.10 has no public accessor for that
+    # client (orbax.checkpoint and jax.experimental read it the same way)
+    ("hang_peers.py", "jax._src"),
+}
+
+
 def test_built_ins_use_only_the_public_plugin_surface():
     import ast
 
@@ -30,6 +39,8 @@ def test_built_ins_use_only_the_public_plugin_surface():
                 assert "_src" not in node.module
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 names = [getattr(node, "module", None) or ""] + [a.name for a in node.names]
+                if (path.name, names[0]) in PRIVATE_IMPORTS:
+                    continue
                 assert not any("._src" in n for n in names), f"{path.name}:{node.lineno}: {names}"
 
 
