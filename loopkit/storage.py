@@ -15,14 +15,13 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
-import threading
 from pathlib import Path
 from typing import Any
 
 from loopkit.fs import atomic_write_bytes
 
 __all__ = [
-    "Mirror", "check_url", "exists", "filesystem", "is_dir", "is_url", "join",
+    "check_url", "exists", "filesystem", "is_dir", "is_url", "join",
     "list_names", "makedirs", "name_of", "normalise", "parent", "read_bytes", "remove",
     "size_and_mtime", "upload_tree", "write_atomic",
 ]
@@ -275,56 +274,3 @@ def upload_tree(local: Path, url: str) -> None:
     for f in sorted(p for p in Path(local).rglob("*") if p.is_file()):
         fs.put_file(str(f), f"{base}/{f.relative_to(local).as_posix()}")
     fs.invalidate_cache(base)
-
-
-class Mirror:
-    """Keeps copies of a local directory's files under a URL, uploaded off the caller's thread.
-
-    `sync()` asks for an upload of every file that changed since the last one and
-    returns at once; `close()` uploads what is left and waits. An error in the
-    background is re-raised by the next `sync` or by `close`.
-    """
-
-    def __init__(self, local: Path, url: str) -> None:
-        self.local, self.url = Path(local), url
-        self._sent: dict[str, tuple[int, int]] = {}
-        self._wanted = threading.Event()
-        self._closing = False
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="loopkit-mirror", daemon=True)
-        self._thread.start()
-
-    def sync(self) -> None:
-        self._raise()
-        self._wanted.set()
-
-    def close(self) -> None:
-        self._closing = True
-        self._wanted.set()
-        self._thread.join()
-        self._upload()  # whatever arrived after the thread's last pass
-        self._raise()
-
-    def _raise(self) -> None:
-        error, self._error = self._error, None
-        if error is not None:
-            raise OSError(f"copying {self.local} to {self.url} failed: {error}") from error
-
-    def _run(self) -> None:
-        while not self._closing:
-            self._wanted.wait()
-            self._wanted.clear()
-            try:
-                self._upload()
-            except Exception as e:  # noqa: BLE001 - handed to the caller's thread
-                self._error = e
-
-    def _upload(self) -> None:
-        fs, base = filesystem(self.url)
-        for name in sorted(os.listdir(self.local)):
-            src = self.local / name
-            st = src.stat()
-            if not src.is_file() or self._sent.get(name) == (st.st_size, st.st_mtime_ns):
-                continue
-            fs.put_file(str(src), f"{base}/{name}")
-            self._sent[name] = (st.st_size, st.st_mtime_ns)

@@ -29,6 +29,7 @@ import numpy as np
 from loopkit import storage
 from loopkit.config import Config
 from loopkit.hookspec import hookimpl
+from loopkit.plugins.mirror import Mirror
 from loopkit.plugins.summary_values import IntervalMean, chosen
 from loopkit.writer import write_values
 
@@ -86,7 +87,7 @@ class SummariesPlugin:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.writer: Any = None
-        self.mirror: storage.Mirror | None = None  # the events' copy under a URL logdir
+        self.mirror: Mirror | None = None  # the events' copy under a URL logdir
         self._written_step: int | None = None
         self._last_time = 0.0
         self._last_busy = 0.0
@@ -118,7 +119,7 @@ class SummariesPlugin:
             # tensorboardX would re-upload the whole file on every flush: write it
             # locally and mirror it on the summary timer, off the main thread.
             where = tempfile.mkdtemp(prefix="loopkit-events-")
-            self.mirror = storage.Mirror(Path(where), str(session.logdir))
+            self.mirror = Mirror(Path(where), str(session.logdir))
         self.writer = SummaryWriter(
             str(where), purge_step=purge_step, flush_secs=FLUSH_SECS,
             max_queue=1024, filename_suffix=event_file_suffix(),
