@@ -14,13 +14,14 @@ sequences, so `structure` reads no array data. Reading is
 `orbax_read`, which also reads the earlier layout (nested
 dicts keyed by the path components) and plain orbax saves.
 
-Committing. orbax writes under ``<name>.orbax-checkpoint-tmp`` (never listed)
-and publishes by a rename, but does not fsync its metadata files (tensorstore
-syncs only its own). The temporary-path class given to orbax (`_DurableRename`)
-finishes the orbax commit differently: every file and directory of the tree is
-fsynced, then the rename publishes it, then the parent directory is fsynced.
-orbax runs that on the primary process after every process's writes are done
-(its own barriers).
+Committing. orbax saves ``<name>.loopkit-staging`` (through its own temporary
+directory and atomic rename; neither name is ever listed) but does not fsync
+its metadata files (tensorstore syncs only its own). Once orbax's save has
+returned on every process (its own barriers), the primary process fsyncs every
+file and directory of the finished tree, publishes it as ``<name>`` by one
+atomic rename, and fsyncs the parent directory; the other processes wait at a
+barrier until it has. Nothing of orbax's internals is touched: loopkit walks
+the directory orbax finished.
 
 Asynchrony, and what it relies on. orbax's own `AsyncCheckpointer.save` blocks
 the caller for: the previous save, a start barrier, creating the temporary
@@ -59,7 +60,6 @@ import os
 import re
 import shutil
 import threading
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -85,28 +85,9 @@ if TYPE_CHECKING:
 __all__ = ["OrbaxBackend"]
 
 _TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's, see atomicity_types.TMP_DIR_SUFFIX
-_STEP_METADATA = "_CHECKPOINT_METADATA"  # the step metadata file orbax's finalize updates
-
-
-def _durable_rename_class() -> type:
-    """orbax's atomic-rename temporary path, with fsyncs around the rename."""
-    import orbax.checkpoint as ocp
-    from etils import epath
-
-    class _DurableRename(ocp.path.atomicity.AtomicRenameTemporaryPath):
-        async def finalize(self) -> None:
-            tmp, final = Path(self.get()), Path(self.get_final())
-            store = getattr(self, "_checkpoint_metadata_store", None)
-            if store is not None:  # what orbax's own finalize records
-                store.wait_until_finished()
-                store.update(file_path=epath.Path(tmp) / _STEP_METADATA,
-                             commit_timestamp_nsecs=time.time_ns())
-                store.wait_until_finished()
-            fsync_tree(tmp)
-            os.rename(tmp, final)
-            fsync_dir(final.parent)
-
-    return _DurableRename
+#: where orbax finishes a save (its own atomic rename) before loopkit makes the
+#: finished tree durable and publishes it under its final name
+_STAGING = ".loopkit-staging"
 
 
 class OrbaxBackend:
@@ -133,8 +114,10 @@ class OrbaxBackend:
         self.config = config
         self._name = re.compile(re.escape(basename) + r"-(0|[1-9][0-9]*)")
         self._stale = re.compile(
-            r"\.?" + re.escape(basename) + r"-[0-9]+(" + re.escape(_TMP_SUFFIX) + r".*|\.replaced)")
-        path_class = _durable_rename_class()
+            r"\.?" + re.escape(basename) + r"-[0-9]+(" + re.escape(_TMP_SUFFIX) + r".*|"
+            + re.escape(_STAGING) + r".*|\.replaced)")
+        self._saves = 0  # names each save's publish barrier (the same on every process)
+        self._processes = set(range(jax.process_count()))
 
         # Barriers through the jax.distributed client, not orbax's default device
         # collectives: the save runs in a background thread, and a device collective
@@ -150,8 +133,7 @@ class OrbaxBackend:
                        multiprocessing_options=multiprocessing)
 
         def checkpointer(handler: Any) -> Any:
-            return ocp.Checkpointer(handler, temporary_path_class=path_class,
-                                    multiprocessing_options=multiprocessing)
+            return ocp.Checkpointer(handler, multiprocessing_options=multiprocessing)
 
         # used by the save thread only: numpy arrays written in one batch, not copied
         # again (see _write and `orbax_writer`)
@@ -226,7 +208,14 @@ class OrbaxBackend:
         return tree, custom
 
     def _write(self, final: Path, tree: Any, custom: dict) -> None:
-        """The background part of a save: host copy, orbax's write, fsyncs, rename."""
+        """The background part of a save: host copy, orbax's write, fsyncs, rename.
+
+        orbax writes the standard checkpoint under a staging name (with its own
+        temporary directory and atomic rename); the chief then makes the finished
+        tree durable (every file, then every directory, fsynced), publishes it under
+        its final name by one atomic rename and fsyncs the directory holding it. No
+        orbax internals: orbax does not fsync, so loopkit walks what it wrote.
+        """
         try:
             with saving_lock(self.directory):
                 trash = final.with_name(f".{final.name}.replaced")
@@ -245,14 +234,27 @@ class OrbaxBackend:
                 tree = jax.tree.map(
                     lambda x: np.asarray(x) if isinstance(x, jax.Array)
                     and x.is_fully_addressable else x, tree)
+                staging = final.with_name(final.name + _STAGING)
                 try:
-                    self._saver.save(final, args=self._writer.args(tree),
+                    self._saver.save(staging, args=self._writer.args(tree),
                                      custom_metadata=custom)
                 except BaseException:
                     self._writer.abandon()  # no write may outlive the save that began it
                     raise
                 if self._primary:
+                    fsync_tree(staging)
+                    os.rename(staging, final)
+                    fsync_dir(self.directory)
                     shutil.rmtree(trash, ignore_errors=True)
+                self._saves += 1
+                if len(self._processes) > 1:  # no process goes on before it is published
+                    import orbax.checkpoint as ocp
+
+                    ocp.multihost.sync_global_processes(
+                        f"loopkit-published-{final.name}-{self._saves}",
+                        processes=self._processes,
+                        barrier_sync_fn=ocp.multihost.get_barrier_sync_fn(
+                            processes=self._processes))
         except BaseException as e:  # re-raised by wait(), in the caller's thread
             self._error = e
 
