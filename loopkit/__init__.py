@@ -36,6 +36,8 @@ __all__ = [
     "TrainResult",
     "checkpoints_iterator",
     "from_pretrained",
+    "goodput",
+    "GoodputReport",
     "hookimpl",
     "hookspec",
     "latest_checkpoint",
@@ -43,13 +45,16 @@ __all__ = [
     "train",
 ]
 
-# Checkpoint helpers live with the checkpoint plugin (they need a backend);
+# Checkpoint helpers live with the checkpoint plugin (they need a backend), the
+# goodput report with the goodput plugin;
 # imported on first use so `import loopkit` stays light.
 _LAZY = {
     "latest_checkpoint": "loopkit.plugins.checkpoint",
     "load_checkpoint": "loopkit.plugins.checkpoint",
     "checkpoints_iterator": "loopkit.plugins.checkpoint",
     "from_pretrained": "loopkit.plugins.checkpoint",
+    "goodput": "loopkit.plugins.goodput",
+    "GoodputReport": "loopkit.plugins.goodput",
 }
 
 

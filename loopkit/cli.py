@@ -1,4 +1,5 @@
-"""The `loopkit` command: `loopkit plugins`, `loopkit checkpoints LOGDIR`, `loopkit run -- CMD`."""
+"""The `loopkit` command: `loopkit plugins`, `loopkit checkpoints LOGDIR`,
+`loopkit goodput LOGDIR`, `loopkit run -- CMD`."""
 
 from __future__ import annotations
 
@@ -50,8 +51,26 @@ def _run(args: argparse.Namespace) -> int:
         print("loopkit run: give the command after --, e.g. loopkit run -- python train.py",
               file=sys.stderr)
         return 2
+    from loopkit.plugins.goodput.records import record_restart
+
     return run(command, max_restarts=args.max_restarts, max_preemptions=args.max_preemptions,
-               backoff_secs=args.backoff_secs)
+               backoff_secs=args.backoff_secs, record=record_restart)
+
+
+def _goodput(args: argparse.Namespace) -> int:
+    from loopkit.plugins.goodput import format_report, goodput
+
+    try:
+        report = goodput(args.logdir)
+    except (ValueError, ImportError, OSError) as e:  # a bad path or URL
+        print(f"loopkit goodput: {e}", file=sys.stderr)
+        return 1
+    if report.sessions == 0:
+        print(f"no goodput ledger (goodput.jsonl) with a session in {args.logdir}",
+              file=sys.stderr)
+        return 1
+    print(format_report(report))
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -62,6 +81,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     c = sub.add_parser("checkpoints", help="list the checkpoints in LOGDIR")
     c.add_argument("logdir")
     c.set_defaults(func=_checkpoints)
+    g = sub.add_parser("goodput", help="where LOGDIR's wall time went: goodput and badput "
+                                       "by cause, from its ledger")
+    g.add_argument("logdir")
+    g.set_defaults(func=_goodput)
     r = sub.add_parser("run", help="run a training command, restarting it after a failure "
                                    "or a preemption until it finishes")
     r.add_argument("--max-restarts", type=int, default=3,

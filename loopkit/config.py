@@ -34,6 +34,13 @@ def _secs(optional: bool):
     return check
 
 
+def _save_secs(v: Any) -> str | None:
+    if v is None or (isinstance(v, str) and v == "auto") or (_is_num(v) and v >= 0):
+        return None
+    return 'a number of seconds >= 0, None, or "auto" (set from the measured save cost and ' \
+        'interruption rate)'
+
+
 def _count(minimum: int, optional: bool):
     def check(v: Any) -> str | None:
         if v is None and optional:
@@ -176,7 +183,7 @@ class Config:
 
     logdir: str | os.PathLike[str] | None = _field(None, _logdir)
     is_chief: bool | None = _field(None, _optional_bool)
-    save_model_secs: float | None = _field(600, _secs(True))
+    save_model_secs: float | str | None = _field(600, _save_secs)
     save_model_steps: int | None = _field(None, _count(0, True))
     save_summaries_secs: float | None = _field(120, _secs(True))
     save_summaries_steps: int | None = _field(None, _count(0, True))

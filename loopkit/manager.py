@@ -27,6 +27,7 @@ __all__ = ["BUILTINS", "AUTOLOAD_ENV", "PluginManager", "make_plugin_manager"]
 BUILTINS = (
     "init",
     "summaries",
+    "goodput",
     "checkpoint",
     "step_counter",
     "progress",

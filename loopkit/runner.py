@@ -13,13 +13,12 @@ that `train` and `managed_session` write (`loopkit.run_status`). SIGTERM or
 SIGINT to the runner goes to the child, which stops cleanly (a final
 checkpoint); the runner then exits with the child's exit code, without a restart.
 Each restart is logged with the child's exit code or signal and the last lines of
-its stderr, and appended to ``logdir/goodput.jsonl`` for a local logdir.
+its stderr, and appended to ``logdir/goodput.jsonl`` (the `record` callback).
 """
 
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import os
 import signal
@@ -29,7 +28,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from loopkit.errors import HANG_EXIT_CODE
 from loopkit.run_status import STATUS_ENV, read_status
@@ -84,13 +83,8 @@ def _exit_code(rc: int) -> int:
     return 128 - rc if rc < 0 else rc
 
 
-def _record(status: dict[str, Any] | None, event: dict[str, Any]) -> None:
-    """Append `event` to a local logdir's ledger (``goodput.jsonl``), if the child named one."""
-    logdir = (status or {}).get("logdir")
-    if not logdir or "://" in str(logdir) or not Path(logdir).is_dir():
-        return
-    with open(Path(logdir) / "goodput.jsonl", "a") as f:
-        f.write(json.dumps(event) + "\n")
+#: what records a restart in the run's ledger: (logdir, kind, exit code, signal, step)
+RestartRecorder = Callable[[Any, str, "int | None", "int | None", "int | None"], None]
 
 
 def _progressed(status: dict[str, Any] | None) -> bool:
@@ -107,8 +101,12 @@ def _progressed(status: dict[str, Any] | None) -> bool:
 
 
 def run(command: Sequence[str], max_restarts: int = 3, max_preemptions: int = 100,
-        backoff_secs: float = 10.0) -> int:
-    """Run `command` until it finishes or a budget runs out; return the exit code."""
+        backoff_secs: float = 10.0, record: RestartRecorder | None = None) -> int:
+    """Run `command` until it finishes or a budget runs out; return the exit code.
+
+    `record` (the goodput plugin's, from ``loopkit run``) writes each restart to
+    the ledger of the logdir the child named.
+    """
     if not command:
         raise ValueError("loopkit run needs a command after --, e.g. "
                          "loopkit run -- python train.py")
@@ -146,10 +144,12 @@ def run(command: Sequence[str], max_restarts: int = 3, max_preemptions: int = 10
                 failures = 1 if progressed else failures + 1
                 kind = "failure"
                 wait = min(backoff_secs * 2 ** (failures - 1), MAX_BACKOFF_SECS)
-            _record(status, {"event": "restart", "time": time.time(), "kind": kind,
-                             "exit_code": rc if rc >= 0 else None,
-                             "signal": -rc if rc < 0 else None,
-                             "step": (status or {}).get("step")})
+            if record is not None and (status or {}).get("logdir"):
+                try:
+                    record((status or {})["logdir"], kind, rc if rc >= 0 else None,
+                           -rc if rc < 0 else None, (status or {}).get("step"))
+                except Exception:  # noqa: BLE001 - the restart matters more than its record
+                    log.exception("loopkit run: could not record the restart in the ledger")
             last = "\n".join(f"    {line}" for line in list(child.tail)[-10:])
             if preempted and preemptions > max_preemptions:
                 log.error("loopkit run: out of budget: %d preemptions, more than "

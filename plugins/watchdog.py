@@ -9,7 +9,7 @@ allowance of its own, from its start. When nothing has progressed for
 moved, the timer action running, every Python thread's stack, and native stacks
 when `py-spy` is installed: ``jax-loopkit[debug]``) to
 ``logdir/hangs/hang-<process>-<step>.txt`` and to the ``"loopkit"`` logger at
-ERROR, then ends the process at once with `loopkit.HANG_EXIT_CODE` (75): a hung
+ERROR, records it in the goodput ledger, then ends the process at once with `loopkit.HANG_EXIT_CODE` (75): a hung
 collective cannot be stopped gracefully. Committed checkpoints are untouched; a
 save in flight is abandoned, as after a SIGKILL, and cleaned at the next start.
 
@@ -37,6 +37,8 @@ from loopkit import storage
 from loopkit.config import Config
 from loopkit.errors import HANG_EXIT_CODE
 from loopkit.hookspec import hookimpl
+from loopkit.plugins.goodput.ledger import LEDGER
+from loopkit.plugins.goodput.records import Hang
 from loopkit.plugins.hang_peers import ProcessSteps
 
 if TYPE_CHECKING:
@@ -105,6 +107,13 @@ class HangWatchdog:
         report = hang_report(session, idle, self.timeout, running, steps, peers)
         self.report = report
         path = _write(session, report)
+        ledger = session.stash.get(LEDGER)  # the chief's goodput ledger: a hang line
+        if ledger is not None:
+            try:
+                ledger.write(Hang(time=time.time(), step=session.step, idle_secs=idle),
+                             wait=True)
+            except Exception:  # noqa: BLE001 - exiting anyway; the report is written
+                log.exception("loopkit: could not record the hang in the goodput ledger")
         log.error("loopkit: no progress for %.0f s (Config.hang_timeout_secs=%s): ending the "
                   "process with exit code %d; report: %s\n%s", idle, self.timeout,
                   HANG_EXIT_CODE, path, report)

@@ -35,6 +35,8 @@ from loopkit.plugins.checkpoint.recovery import find_restorable
 from loopkit.plugins.checkpoint.replicas import agree_to_save, host_copies
 from loopkit.plugins.checkpoint.retention import Ledger
 from loopkit.plugins.checkpoint.tf_file import CheckpointState, checkpoint_path
+from loopkit.plugins.goodput.cadence import AutoInterval
+from loopkit.plugins.goodput.ledger import SAVE_TIMES, SaveTimes, SaveTiming
 
 __all__ = ["BUILTIN_BACKENDS", "INACTIVE", "CheckpointPlugin", "plugin"]
 
@@ -64,9 +66,11 @@ class Commit:
     """
 
     def __init__(self, step: int, backend: CheckpointBackend, hold: Any,
-                 publish: Callable[[], None], failed: Callable[[BaseException], None]) -> None:
+                 publish: Callable[[], None], failed: Callable[[BaseException], None],
+                 timing: Beside | None = None) -> None:
         self.step = step
         self.error: BaseException | None = None
+        self.timing = timing
         self.done = threading.Event()
         self._args = (backend, hold, publish, failed)
         self.thread = threading.Thread(
@@ -83,6 +87,8 @@ class Commit:
             hold.release()  # read and written: the buffers may be donated again
             del hold
             publish()
+            if self.timing is not None:
+                self.timing.committed()
         except BaseException as ex:  # noqa: BLE001 - handed to the main thread
             self.error = ex
             failed(ex)
@@ -96,6 +102,8 @@ class Commit:
         wait wakes every `NOTICE_SECS` only to see a stop requested meanwhile
         (a signal, another thread's error), which bounds it.
         """
+        if self.timing is not None:
+            self.timing.joined()  # from now on the loop waits: no longer beside the steps
         while not self.done.wait(NOTICE_SECS):
             if stopping():
                 if self.done.wait(grace_secs):
@@ -104,6 +112,27 @@ class Commit:
                             "leaving it behind", self.thread.name, grace_secs)
                 return False
         return True
+
+
+class Beside:
+    """Times one commit: from the end of the save's hold to durable, and how much of it
+    ran beside the steps (until it was durable or the loop joined it), over how many."""
+
+    def __init__(self, timing: SaveTiming, times: SaveTimes, step: Callable[[], int]) -> None:
+        self.timing, self._times, self._step = timing, times, step
+        self._t0 = time.perf_counter()
+        self._beside: float | None = None
+
+    def joined(self) -> None:
+        if self._beside is None:
+            self._beside = time.perf_counter() - self._t0
+            self.timing.overlap_steps = self._step() - self.timing.step
+
+    def committed(self) -> None:
+        self.timing.commit_secs = time.perf_counter() - self._t0
+        self.joined()
+        self.timing.overlap_secs = self._beside or 0.0
+        self._times.committed.append(self.timing)
 
 
 class CheckpointPlugin:
@@ -120,6 +149,9 @@ class CheckpointPlugin:
         self._last_save_step: int | None = None
         self._restored: tuple[int, list[int]] | None = None  # (step, leaf ids) just restored
         self._commit: Commit | None = None
+        self._times = SaveTimes()  # the session's (in the stash: the ledger reads it)
+        self._timer: Any = None
+        self._auto: AutoInterval | None = None
         #: the first commit that failed or never committed: no save after it
         self._failed: BaseException | None = None
 
@@ -196,14 +228,26 @@ class CheckpointPlugin:
         # refused now, naming the leaf, rather than at the first save
         check_storable(session.state)
         self._open(session)
+        self._times = session.stash.setdefault(SAVE_TIMES, SaveTimes())
         secs = self.config.save_model_secs or None
+        if secs == "auto":
+            self._auto = AutoInterval(session)
+            secs = self._auto.interval
         steps = self.config.save_model_steps or None
         if secs or steps:
-            session.every(self._save, secs=secs, steps=steps, name="checkpoint")
+            self._timer = session.every(self._save, secs=secs, steps=steps, name="checkpoint")
 
     def _save(self, session: Any) -> None:
         """Start saving the current state (the timer action, and the final save)."""
         t0 = time.perf_counter()
+        try:
+            self._start_save(session, t0)
+        finally:
+            self._times.held_secs += time.perf_counter() - t0
+        if self._auto is not None and self._timer is not None and not session.should_stop():
+            self._timer.secs = self._auto.update(session)  # in force from the re-arm
+
+    def _start_save(self, session: Any, t0: float) -> None:
         step, many = session.step, jax.process_count() > 1
         self._join_commit(session)
         stuck = self._commit and CheckpointError(
@@ -231,10 +275,11 @@ class CheckpointPlugin:
         }
         backend.save(step, state, metadata)
         self._last_save_step = step
+        self.blocking_secs = time.perf_counter() - t0
+        timing = Beside(SaveTiming(step, self.blocking_secs), self._times, lambda: session.step)
         self._commit = Commit(step, backend, staged,
                               lambda: self._committed(session, step, metadata["timestamp"]),
-                              lambda ex: self._commit_failed(session, step, ex))
-        self.blocking_secs = time.perf_counter() - t0
+                              lambda ex: self._commit_failed(session, step, ex), timing)
         if session.summary_writer is not None:
             session.summary_writer.add_scalar(BLOCKING_TAG, self.blocking_secs, step)
 
@@ -281,12 +326,14 @@ class CheckpointPlugin:
     def on_stop(self, session: Any, error: BaseException | None) -> None:
         if self.backend is None:
             return
+        t0, held = time.perf_counter(), self._times.held_secs
         try:
             self._join_commit(session)
             if self._owes_final_save(session, error):
                 self._save(session)
                 self._join_commit(session)
         finally:
+            self._times.held_secs = held + time.perf_counter() - t0  # the final save's too
             if self._commit is not None:
                 pass  # left behind: closing would wait for the stuck save again
             elif self._owns_backend:

@@ -22,9 +22,9 @@ def test_defaults_are_the_supervisors():
 @pytest.mark.parametrize(
     "field, value, allowed",
     [
-        ("save_model_secs", -1, "a number of seconds >= 0 or None"),
-        ("save_model_secs", "10", "a number of seconds >= 0 or None"),
-        ("save_model_secs", True, "a number of seconds >= 0 or None"),
+        ("save_model_secs", -1, 'a number of seconds >= 0, None, or "auto"'),
+        ("save_model_secs", "10", 'a number of seconds >= 0, None, or "auto"'),
+        ("save_model_secs", True, 'a number of seconds >= 0, None, or "auto"'),
         ("save_model_steps", 2.5, "an int >= 0 or None"),
         ("save_summaries_steps", -3, "an int >= 0 or None"),
         ("max_steps", -1, "an int >= 0 or None"),

@@ -99,5 +99,5 @@ def test_python_dash_m_loopkit_plugins():
     assert p.returncode == 0, p.stderr
     names = [l.split()[0] for l in p.stdout.splitlines()]
     for builtin in ("init", "summaries", "checkpoint", "step_counter", "progress", "prefetch",
-                    "nan_guard", "profiler", "watchdog"):
+                    "nan_guard", "profiler", "watchdog", "goodput"):
         assert builtin in names

@@ -45,6 +45,11 @@ def test_crash_then_hang_then_finish_equals_an_uninterrupted_run(tmp_path):
     restarts = [e for e in _ledger(tmp_path) if e["event"] == "restart"]
     assert [(e["kind"], e["signal"], e["exit_code"]) for e in restarts] == [
         ("failure", signal.SIGKILL, None), ("failure", None, 75)]
+    # the watchdog's line, before its exit; each session's start; the last one's stop
+    events = [e["event"] for e in _ledger(tmp_path)]
+    assert events.count("hang") == 1 and events.count("start") == 3
+    assert events.index("hang") < events.index("restart", events.index("hang"))
+    assert _ledger(tmp_path)[-1]["event"] == "stop"
     straight = _runner(tmp_path, "ok", 15, logdir="straight")
     assert straight.wait(timeout=300) == 0
     np.testing.assert_array_equal(np.load(tmp_path / "run.npy"),

@@ -21,6 +21,7 @@ from loopkit.manager import make_plugin_manager
 from loopkit.plugins import checkpoint as ckpt_plugin
 from loopkit.plugins.checkpoint.tf_file import read_state
 from loopkit.plugins.checkpoint.backends.npz import NpzBackend
+from loopkit.plugins.goodput.records import LEDGER_NAME
 from loopkit.testing import FakeClock
 
 BACKENDS = ["orbax", "npz"]
@@ -149,8 +150,9 @@ def test_inactive_without_logdir_or_backend(tmp_path):
     assert "Config.logdir" in ckpt_plugin.INACTIVE
     r = run(tmp_path, backend=None, max_steps=3)
     # nothing but the run's logdir lock (loopkit.logdir_lock): no checkpoint, no event file
-    # no checkpoint: only the run's lock and the compilation cache beside it
-    assert r.step == 3 and {p.name for p in tmp_path.iterdir()} <= {LOCK_NAME, CACHE_NAME}
+    # no checkpoint: only the run's lock, the compilation cache and the goodput ledger
+    assert r.step == 3 and {p.name for p in tmp_path.iterdir()} <= {LOCK_NAME, CACHE_NAME,
+                                                                     LEDGER_NAME}
 
 
 def test_unknown_backend_name_is_an_error_naming_the_field(tmp_path):

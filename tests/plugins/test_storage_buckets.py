@@ -198,9 +198,10 @@ def test_train_on_a_bucket_keeps_checkpoints_there_and_resumes_exactly(
     assert first.step == 6
     keys = store.objects("runs/a/")
     # retention (max_to_keep=2) ran on the store; the checkpoint file names the latest,
-    # the file beside it the backend that wrote them
+    # the file beside it the backend that wrote them; the goodput ledger is mirrored there
     stored = {k.split("/")[2] for k in keys}
-    assert stored == {"checkpoint", "checkpoint_backend.json", name.format(4), name.format(6)}
+    assert stored == {"checkpoint", "checkpoint_backend.json", name.format(4), name.format(6),
+                      "goodput.jsonl"}
     text = storage.read_bytes(f"{url}/checkpoint").decode()
     assert 'model_checkpoint_path: "model.ckpt-6"' in text
     if backend == "orbax":  # each directory committed by its marker, written last
@@ -208,6 +209,9 @@ def test_train_on_a_bucket_keeps_checkpoints_there_and_resumes_exactly(
     assert not any(Path(p).name.startswith("loopkit-stage-") for p in os.listdir(tmp_path))
 
     resumed = train(url, backend, 10)
+    # the ledger under the URL holds both sessions: the second one started from its copy
+    ledger = loopkit.goodput(url)
+    assert (ledger.sessions, ledger.interruptions) == (2, 0)
     local = train(tmp_path / "local", backend, 10)
     assert resumed.step == local.step == 10
     assert_bitwise(resumed.state, local.state)

@@ -76,7 +76,7 @@ def test_builtins_stay_off_the_per_step_path():
         if plugin is not None:
             on += 1
             assert not hasattr(plugin, "before_step") and not hasattr(plugin, "after_step"), name
-    assert on == 6  # all but nan_guard and profiler
+    assert on == 7  # all but nan_guard, profiler and watchdog
     # the opt-in ones may use them, and are off by default
     assert nan_guard.plugin(loopkit.Config()) is None
     assert profiler.plugin(loopkit.Config()) is None

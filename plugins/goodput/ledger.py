@@ -1,0 +1,112 @@
+"""The chief's writer of ``logdir/goodput.jsonl``, and the figures other plugins hand it.
+
+`Ledger` is what a plugin uses to add a line: the goodput plugin puts the
+session's one in the stash under `LEDGER`, so the watchdog (a hang) or a
+rollback writes ``session.stash.get(LEDGER)`` ``.write(Rollback(...))`` with no
+other coupling. The checkpoint plugin reports its saves under `SAVE_TIMES`.
+
+On a local logdir each record is appended in place (one write, flush, fsync).
+Under a URL an object cannot be appended to: the ledger is kept in a local
+copy (started from the object's contents) and mirrored after each record,
+off the caller's thread, as the event files are (`loopkit.plugins.mirror.Mirror`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import tempfile
+import threading
+from pathlib import Path
+
+from loopkit import storage
+from loopkit.plugins.mirror import Mirror
+from loopkit.stash import StashKey
+from loopkit.plugins.goodput.records import LEDGER_NAME, Record, append_line, records_in
+
+__all__ = ["LEDGER", "SAVE_TIMES", "Ledger", "SaveTiming", "SaveTimes"]
+
+
+class Ledger:
+    """Appends records to one logdir's ledger and keeps the ones it holds in memory."""
+
+    def __init__(self, logdir: Path | str) -> None:
+        self.logdir = logdir
+        self._lock = threading.Lock()
+        self.mirror: Mirror | None = None
+        if storage.is_url(logdir):
+            local = Path(tempfile.mkdtemp(prefix="loopkit-ledger-"))
+            try:
+                data = storage.read_bytes(storage.join(logdir, LEDGER_NAME))
+            except FileNotFoundError:
+                data = b""
+            (local / LEDGER_NAME).write_bytes(data)
+            self.path = local / LEDGER_NAME
+            self.mirror = Mirror(local, str(logdir))
+        else:
+            storage.makedirs(logdir)
+            self.path = Path(logdir) / LEDGER_NAME
+            data = self.path.read_bytes() if self.path.exists() else b""
+        #: every whole record of the ledger: the earlier sessions' and this one's
+        self.records: list[Record] = list(records_in(data.decode("utf-8", errors="replace")))
+        self._check_end = True  # the first append ends a torn last line
+
+    def write(self, record: Record, wait: bool = False) -> None:
+        """Append `record` (any thread). `wait`: under a URL, return once it is uploaded."""
+        with self._lock:
+            append_line(self.path, record.to_line(), check_end=self._check_end)
+            self._check_end = False
+            self.records.append(record)
+            if self.mirror is not None:
+                if wait:
+                    self.mirror.close()
+                    self.mirror = Mirror(self.path.parent, str(self.logdir))
+                else:
+                    self.mirror.sync()
+
+    def close(self) -> None:
+        with self._lock:
+            mirror, self.mirror = self.mirror, None
+        if mirror is not None:
+            try:
+                mirror.close()
+            finally:
+                shutil.rmtree(mirror.local, ignore_errors=True)
+
+
+#: the session's `Ledger` (chief only, while the goodput plugin runs)
+LEDGER: StashKey[Ledger] = StashKey()
+
+
+@dataclasses.dataclass
+class SaveTiming:
+    """One save: how long it held the loop, and its commit beside the steps.
+
+    `commit_secs` runs from the end of the hold to durable. `overlap_secs` is the
+    part of it the loop went on stepping (until the commit ended or the loop
+    joined it), during which `overlap_steps` steps ran.
+    """
+
+    step: int
+    hold_secs: float
+    commit_secs: float = 0.0
+    overlap_secs: float = 0.0
+    overlap_steps: int = 0
+
+
+@dataclasses.dataclass
+class SaveTimes:
+    """What the checkpoint plugin reports: the seconds it held the loop, and saves done."""
+
+    #: seconds the loop was held by saves (their start, a wait for a commit, the final save)
+    held_secs: float = 0.0
+    #: committed saves not yet taken into a ledger record (the ledger takes them)
+    committed: list[SaveTiming] = dataclasses.field(default_factory=list)
+
+    def take(self) -> list[SaveTiming]:
+        taken, self.committed = self.committed, []
+        return taken
+
+
+#: the checkpoint plugin's `SaveTimes` for this session
+SAVE_TIMES: StashKey[SaveTimes] = StashKey()

@@ -1,0 +1,181 @@
+"""The built-in `goodput`: the chief's ledger records, and the `goodput/` summaries.
+
+Records (`records`): `Start` at the boundary after the session's first step
+(host, pid, the process's start time, the restored step and tier, the restore
+and first-step times), a `Window` on the summary timer (registered with
+`session.every`: nothing runs per step), and `Stop` at the end, after the final
+save. Other plugins add lines through the stash's `LEDGER`. The report of the
+ledger so far goes to TensorBoard under ``goodput/`` with each window and at the
+stop.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from typing import TYPE_CHECKING, Any
+
+from loopkit.config import Config
+from loopkit.hookspec import hookimpl
+from loopkit.plugins.goodput.ledger import LEDGER, SAVE_TIMES, Ledger, SaveTimes
+from loopkit.plugins.goodput.records import Start, Stop, Window
+from loopkit.plugins.goodput.report import CAUSES, GoodputReport, summarise
+
+if TYPE_CHECKING:
+    from loopkit.session import Session
+
+__all__ = ["GoodputPlugin", "process_start_time", "write_report"]
+
+_IMPORTED = time.time()  # the process start time's fallback
+
+
+def process_start_time() -> float:
+    """When this process started (wall clock), from ``/proc``; else when loopkit's
+    goodput plugin was imported (psutil's figure when it is installed)."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        ticks = int(fields[19])  # field 22, starttime, in clock ticks after boot
+        with open("/proc/stat") as f:
+            boot = next(int(x.split()[1]) for x in f if x.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        pass
+    try:
+        import psutil
+
+        return float(psutil.Process().create_time())
+    except Exception:  # noqa: BLE001 - no psutil, or no permission
+        return _IMPORTED
+
+
+def write_report(writer: Any, report: GoodputReport, step: int) -> None:
+    """The report's figures as TensorBoard scalars under ``goodput/``."""
+    scalars = {"goodput/fraction": report.fraction, "goodput/wall_secs": report.wall_secs,
+               "goodput/productive_secs": report.productive_secs,
+               "goodput/sessions": report.sessions,
+               "goodput/interruptions": report.interruptions,
+               "goodput/rollbacks": report.rollbacks,
+               "goodput/suggested_save_secs": report.suggested_save_secs}
+    if report.mtbi_secs is not None:
+        scalars["goodput/mtbi_secs"] = report.mtbi_secs
+    if report.save_cost_secs is not None:
+        scalars["goodput/save_cost_secs"] = report.save_cost_secs
+    for cause in CAUSES:
+        value = report.badput[cause]
+        if isinstance(value, dict):
+            for name, secs in value.items():
+                scalars[f"goodput/badput/timers/{name}"] = secs
+        else:
+            scalars[f"goodput/badput/{cause}"] = value
+    for tag, value in scalars.items():
+        writer.add_scalar(tag, float(value), step)
+
+
+class GoodputPlugin:
+    """Appends the chief's records to ``logdir/goodput.jsonl``."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.ledger: Ledger | None = None
+        self.restore_secs = 0.0
+        self._opened = 0.0  # session_create's wall time
+        self._start: Start | None = None
+        self._last = 0.0  # the previous record's wall time
+        self._input = self._held = 0.0
+        self._timers: dict[str, float] = {}
+        self._saves = SaveTimes()
+
+    @hookimpl(wrapper=True)
+    def restore_state(self, session: Session) -> Any:
+        t0 = time.time()
+        try:
+            return (yield)
+        finally:
+            self.restore_secs = time.time() - t0
+
+    @hookimpl(tryfirst=True)  # before the checkpoint plugin's: it reports its saves here
+    def session_create(self, session: Session) -> None:
+        self._saves = session.stash.setdefault(SAVE_TIMES, SaveTimes())
+        if not session.is_chief:
+            return
+        self._opened = time.time()
+        self.ledger = Ledger(session.logdir)
+        session.stash[LEDGER] = self.ledger
+        session.at_step(session.step + 1, self._started, name="goodput_start")
+        secs, steps = self.config.save_summaries_secs, self.config.save_summaries_steps
+        if secs or steps:
+            session.every(self._window, secs=secs, steps=steps, name="goodput")
+
+    def _started(self, session: Session, first_step: bool = True) -> None:
+        now = time.time()
+        restored = session.restored
+        start = Start(
+            time=now, step=session.step - 1 if first_step else session.step,
+            host=socket.gethostname(), pid=os.getpid(), process_start=process_start_time(),
+            tier=None if restored is None else getattr(restored, "tier", "durable"),
+            restore_secs=self.restore_secs,
+            first_step_secs=now - self._opened if first_step else None)
+        self._start = start
+        assert self.ledger is not None
+        self.ledger.write(start)
+        self._mark(session, now)
+
+    def _mark(self, session: Session, now: float) -> None:
+        stats = session.stats
+        self._last, self._input, self._held = now, stats.input_wait_secs, self._saves.held_secs
+        self._timers = dict(stats.timer_secs)
+
+    def _measure(self, session: Session, now: float) -> dict[str, Any]:
+        """The window since the last record: what `Window` and `Stop` hold."""
+        stats = session.stats
+        timers = {name: secs - self._timers.get(name, 0.0)
+                  for name, secs in stats.timer_secs.items()
+                  if name not in ("checkpoint", "goodput_start")}  # saves: `save_secs`
+        saves = self._saves.take()
+        fields = dict(
+            time=now, step=session.step, secs=now - self._last,
+            input_secs=stats.input_wait_secs - self._input,
+            save_secs=self._saves.held_secs - self._held,
+            timers={k: v for k, v in timers.items() if v > 0},
+            saves=len(saves), hold_secs=sum(s.hold_secs for s in saves),
+            commit_secs=sum(s.commit_secs for s in saves),
+            overlap_secs=sum(s.overlap_secs for s in saves),
+            overlap_steps=sum(s.overlap_steps for s in saves))
+        self._mark(session, now)
+        return fields
+
+    def _window(self, session: Session) -> None:
+        if self._start is None or self.ledger is None:
+            return
+        self.ledger.write(Window(**self._measure(session, time.time())))
+        self._summarise(session)
+
+    def _summarise(self, session: Session) -> None:
+        writer = session.summary_writer
+        if writer is not None and self.ledger is not None:
+            write_report(writer, summarise(self.ledger.records), session.step)
+
+    @hookimpl
+    def on_stop(self, session: Session, error: BaseException | None) -> None:
+        # after the checkpoint plugin's (the final save is in the last window) and
+        # before the summaries plugin closes the writer
+        ledger = self.ledger
+        if ledger is None:
+            return
+        try:
+            if self._start is None:
+                self._started(session, first_step=False)
+            reason = "error" if error is not None else session.stop_reason
+            ledger.write(Stop(**self._measure(session, time.time()), reason=reason))
+            self._summarise(session)
+        finally:
+            ledger.close()
+
+
+INACTIVE = "needs Config.logdir"
+
+
+def plugin(config: Config) -> GoodputPlugin | None:
+    return GoodputPlugin(config) if config.logdir is not None else None

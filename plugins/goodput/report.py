@@ -1,0 +1,257 @@
+"""`loopkit.goodput(logdir)`: where a run's wall time went, read from its ledger.
+
+Sessions are read in order. Each session's time, from its process's start to
+its last record, splits into startup, restore, the first step (compile), and
+the windows' steps, input waits, save holds and timers; the time from one
+session's last record to the next process's start is downtime (no trainer, or
+a killed trainer's unrecorded tail), except the idle time of a hang. Steps
+trained again (the previous session's steps past the step the next one
+restored, and the steps a rollback undid) move from productive to recompute,
+at their session's mean step time. By construction the causes and the
+productive time add up to the wall time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from loopkit.plugins.goodput.records import (
+    Hang, Record, Rollback, Start, Stop, Window, read_records,
+)
+
+__all__ = ["CAUSES", "DEFAULT_MTBI_SECS", "MAX_SAVE_SECS", "FINISHED", "GoodputReport",
+           "format_report", "goodput", "summarise", "young_daly"]
+
+CAUSES = ("startup", "restore", "compile", "recompute", "checkpoint", "input", "timers",
+          "downtime", "hang")
+#: the mean time between interruptions assumed until the ledger has one
+DEFAULT_MTBI_SECS = 24 * 3600.0
+#: the longest interval "auto" picks
+MAX_SAVE_SECS = 3600.0
+#: the save cost assumed until a save has been measured
+ASSUMED_SAVE_COST_SECS = 1.0
+#: stop reasons of a session that finished its work (not an interruption)
+FINISHED = ("max_steps", "data_exhausted", "requested")
+
+
+@dataclasses.dataclass(frozen=True)
+class GoodputReport:
+    """Where the wall time of a run went (`loopkit.goodput`)."""
+
+    #: from the first session's process start to the ledger's last record
+    wall_secs: float
+    #: time in steps that were kept (recomputed steps are badput)
+    productive_secs: float
+    #: productive / wall (0.0 for an empty ledger)
+    fraction: float
+    #: seconds by cause (`CAUSES`); "timers" is itself a mapping of timer name to seconds
+    badput: Mapping[str, float | Mapping[str, float]]
+    sessions: int
+    #: sessions that ended without finishing (a crash, a kill, a hang, a preemption)
+    interruptions: int
+    rollbacks: int
+    #: wall / interruptions; None before the first interruption
+    mtbi_secs: float | None
+    #: what a save costs the run: the loop held, plus its commit's slowdown of the steps
+    #: beside it; None before a save was measured
+    save_cost_secs: float | None
+    #: the interval `save_model_secs="auto"` picks now
+    suggested_save_secs: float
+    #: the mean time from a save's hold to durable (the lower bound of "auto")
+    commit_secs: float | None = None
+
+    def badput_secs(self) -> float:
+        """Every cause's seconds, added up (the timers' too)."""
+        return sum(sum(v.values()) if isinstance(v, Mapping) else v
+                   for v in self.badput.values())
+
+
+def young_daly(save_cost_secs: float | None, mtbi_secs: float | None,
+               commit_secs: float | None = None) -> float:
+    """Young and Daly's interval ``sqrt(2 * save_cost * MTBI)``, within [commit time, 1 h].
+
+    An unknown cost counts as `ASSUMED_SAVE_COST_SECS`, an unknown MTBI as
+    `DEFAULT_MTBI_SECS`.
+    """
+    cost = ASSUMED_SAVE_COST_SECS if save_cost_secs is None else max(save_cost_secs, 1e-3)
+    mtbi = DEFAULT_MTBI_SECS if mtbi_secs is None else mtbi_secs
+    interval = math.sqrt(2.0 * cost * mtbi)
+    return min(MAX_SAVE_SECS, max(interval, commit_secs or 0.0, 1.0))
+
+
+@dataclasses.dataclass
+class _Session:
+    start: Start | None = None
+    windows: list[Window] = dataclasses.field(default_factory=list)
+    rollbacks: list[Rollback] = dataclasses.field(default_factory=list)
+    hang: Hang | None = None
+    stop: Stop | None = None
+    last_time: float = 0.0
+    last_step: int | None = None
+
+    def step_time(self) -> float:
+        steps, secs, prev = 0, 0.0, self.first_window_step()
+        for w in self.windows:
+            if w.step is not None and prev is not None:
+                steps += max(0, w.step - prev)
+                prev = w.step
+            secs += w.step_secs
+        return secs / steps if steps else 0.0
+
+    def first_window_step(self) -> int | None:
+        s = self.start
+        if s is None or s.step is None:
+            return None
+        return s.step + (1 if s.first_step_secs is not None else 0)
+
+
+def _sessions(records: Sequence[Record]) -> list[_Session]:
+    sessions: list[_Session] = []
+    for r in records:
+        if isinstance(r, Start):
+            sessions.append(_Session(start=r, last_time=r.time, last_step=r.step))
+            continue
+        if not sessions or sessions[-1].stop is not None:
+            continue  # a restart between sessions, or a line without its session's start
+        s = sessions[-1]
+        if isinstance(r, Window):  # Stop too
+            s.windows.append(r)
+            if isinstance(r, Stop):
+                s.stop = r
+        elif isinstance(r, Rollback):
+            s.rollbacks.append(r)
+        elif isinstance(r, Hang):
+            s.hang = r
+        else:
+            continue
+        s.last_time = max(s.last_time, r.time)
+        if r.step is not None and not isinstance(r, Hang):
+            s.last_step = r.step
+    return sessions
+
+
+def summarise(records: Sequence[Record]) -> GoodputReport:
+    """The `GoodputReport` of a ledger's records."""
+    sessions = _sessions(records)
+    bad: dict[str, float] = {k: 0.0 for k in CAUSES if k != "timers"}
+    timers: dict[str, float] = {}
+    step_secs = 0.0
+    interruptions = rollbacks = 0
+    saves = 0
+    hold = commit = overlap = 0.0
+    overlap_steps = 0
+    quiet_secs, quiet_steps = 0.0, 0  # windows without a save: the normal step time
+    all_steps = 0
+    for i, s in enumerate(sessions):
+        st = s.start
+        assert st is not None
+        first = st.first_step_secs or 0.0
+        bad["restore"] += st.restore_secs
+        bad["compile"] += first
+        bad["startup"] += max(0.0, st.time - st.process_start - st.restore_secs - first)
+        prev = s.first_window_step()
+        for w in s.windows:
+            step_secs += w.step_secs
+            bad["input"] += w.input_secs
+            bad["checkpoint"] += w.save_secs
+            for name, secs in w.timers.items():
+                timers[name] = timers.get(name, 0.0) + secs
+            saves += w.saves
+            hold, commit = hold + w.hold_secs, commit + w.commit_secs
+            overlap, overlap_steps = overlap + w.overlap_secs, overlap_steps + w.overlap_steps
+            if w.step is not None and prev is not None and w.step > prev:
+                all_steps += w.step - prev
+                if w.saves == 0:
+                    quiet_secs, quiet_steps = quiet_secs + w.step_secs, quiet_steps + w.step - prev
+            prev = w.step if w.step is not None else prev
+        mean_step = s.step_time()
+        for r in s.rollbacks:
+            rollbacks += 1
+            bad["recompute"] += max(0, (r.step or 0) - r.to_step) * mean_step
+        if i + 1 < len(sessions):
+            nxt = sessions[i + 1]
+            assert nxt.start is not None
+            if s.stop is None or s.stop.reason not in FINISHED:
+                interruptions += 1
+            if s.last_step is not None and nxt.start.step is not None:
+                bad["recompute"] += max(0, s.last_step - nxt.start.step) * mean_step
+            gap = max(0.0, nxt.start.process_start - s.last_time)
+            bad["downtime"] += gap
+        if s.hang is not None:
+            # the hang's idle time is inside the session's last stretch, not in a window
+            last_window = s.windows[-1].time if s.windows else st.time
+            stretch = max(0.0, s.hang.time - last_window)
+            bad["hang"] += min(s.hang.idle_secs, stretch)
+            bad["downtime"] += stretch - min(s.hang.idle_secs, stretch)
+    bad["recompute"] = min(bad["recompute"], step_secs)
+    productive = step_secs - bad["recompute"]
+    wall = 0.0
+    if sessions:
+        first = sessions[0].start
+        assert first is not None
+        wall = max(s.last_time for s in sessions) - first.process_start
+    mtbi = wall / interruptions if interruptions else None
+    normal = quiet_secs / quiet_steps if quiet_steps else step_secs / max(1, all_steps)
+    cost = None
+    if saves:
+        slowdown = max(0.0, overlap - overlap_steps * normal)
+        cost = (hold + slowdown) / saves
+    commit_mean = commit / saves if saves else None
+    badput: dict[str, float | Mapping[str, float]] = {
+        k: timers if k == "timers" else bad[k] for k in CAUSES}
+    return GoodputReport(
+        wall_secs=wall, productive_secs=productive,
+        fraction=productive / wall if wall > 0 else 0.0, badput=badput,
+        sessions=len(sessions), interruptions=interruptions, rollbacks=rollbacks,
+        mtbi_secs=mtbi, save_cost_secs=cost,
+        suggested_save_secs=young_daly(cost, mtbi, commit_mean), commit_secs=commit_mean,
+    )
+
+
+def goodput(logdir: Path | str) -> GoodputReport:
+    """Where `logdir`'s wall time went, from its ledger (``logdir/goodput.jsonl``).
+
+    An empty or missing ledger gives a report of zeros.
+    """
+    from loopkit.storage import normalise
+
+    return summarise(read_records(normalise(logdir, "logdir")))
+
+
+def _hms(secs: float | None) -> str:
+    if secs is None:
+        return "-"
+    secs = float(secs)
+    if secs < 120:
+        return f"{secs:.1f} s"
+    h, rest = divmod(secs, 3600)
+    return f"{int(h)}h{int(rest // 60):02d}m{rest % 60:04.1f}s" if h else \
+        f"{int(rest // 60)}m{rest % 60:04.1f}s"
+
+
+def format_report(report: GoodputReport) -> str:
+    """The report as `loopkit goodput` prints it: a summary, then badput by cause."""
+    wall = report.wall_secs or 1.0
+    lines = [
+        f"wall        {_hms(report.wall_secs)}",
+        f"productive  {_hms(report.productive_secs)}  ({100 * report.fraction:.1f}% goodput)",
+        f"sessions {report.sessions}, interruptions {report.interruptions}, "
+        f"rollbacks {report.rollbacks}, mean time between interruptions "
+        f"{_hms(report.mtbi_secs)}",
+        f"save cost {_hms(report.save_cost_secs)} (commit {_hms(report.commit_secs)}); "
+        f"save_model_secs=\"auto\" would pick {_hms(report.suggested_save_secs)}",
+        "badput:",
+    ]
+    for cause in CAUSES:
+        value = report.badput[cause]
+        if isinstance(value, Mapping):
+            lines.append(f"  {cause:<10}  {_hms(sum(value.values())):>12}  "
+                         f"{100 * sum(value.values()) / wall:5.1f}%")
+            for name, secs in sorted(value.items()):
+                lines.append(f"    {name:<14}  {_hms(secs):>8}  {100 * secs / wall:5.1f}%")
+        else:
+            lines.append(f"  {cause:<10}  {_hms(value):>12}  {100 * value / wall:5.1f}%")
+    return "\n".join(lines)
