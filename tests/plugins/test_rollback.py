@@ -190,3 +190,68 @@ def test_sigkill_after_the_rollback_and_a_resume_give_the_same_bits(tmp_path):
     with np.load(out) as resumed:
         for k in clean.state:
             assert resumed[k].tobytes() == np.asarray(clean.state[k]).tobytes(), k
+
+
+TWO = textwrap.dedent("""
+    import sys, jax
+    jax.distributed.initialize(f"127.0.0.1:{{sys.argv[3]}}", 2, int(sys.argv[2]))
+    import jax.numpy as jnp, numpy as np, loopkit
+    sys.path.insert(0, {tests!r})
+    from test_rollback import value, init, P, N
+
+    me = jax.process_index()
+    def data(start):                       # the same batches; the loss is poisoned on process 1
+        i = start
+        while True:
+            yield value(i), np.float32("nan") if (me == 1 and i == P) else np.float32(0)
+            i += 1
+
+    def step(state, batch):
+        x, flag = batch
+        w = state["w"] * 0.9 + jnp.sin(state["w"] * x) * 0.1 + x
+        return {{"w": w, "n": state["n"] + 1}}, {{"loss": jnp.mean(w) * x + flag}}
+
+    class Rec:
+        @loopkit.hookimpl
+        def on_rollback(self, record):
+            print("ROLLBACK", record.step, record.restored_step, *record.skipped, flush=True)
+
+    r = loopkit.train(step, init=init, data=data, logdir=sys.argv[1], max_steps=N,
+                      save_model_steps=5, save_model_secs=None, nan_guard="loss",
+                      on_guard="rollback", progress=False, plugins=[Rec()])
+    print("W", np.asarray(r.state["w"]).tobytes().hex(), r.step, flush=True)
+""")
+
+
+@pytest.mark.timeout(300)
+def test_two_processes_roll_back_together(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "two.py"
+    script.write_text(TWO.format(tests=os.path.dirname(__file__)))
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    outs = [open(tmp_path / f"p{i}.out", "w+") for i in range(2)]
+    procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path / "run"), str(i),
+                               str(port)], env=env, stdout=outs[i], stderr=subprocess.STDOUT,
+                              text=True) for i in range(2)]
+    try:
+        for p in procs:
+            p.wait(timeout=240)
+    finally:
+        for p in procs:
+            p.kill()
+    texts = []
+    for f in outs:
+        f.seek(0)
+        texts.append(f.read())
+    assert [p.returncode for p in procs] == [0, 0], texts
+    rolls = [re.findall(r"^ROLLBACK (\d+) (\d+) (\d+) (\d+)$", t, re.M) for t in texts]
+    assert rolls[0] == rolls[1] and len(rolls[0]) == 1, texts  # together, once
+    bad, restored, first, end = map(int, rolls[0][0])
+    assert (bad, restored, first) == (15, 10, 10) and end >= 16
+    finals = [re.search(r"^W (\w+) (\d+)$", t, re.M).groups() for t in texts]
+    clean = run(tmp_path / "clean", source(skip=(first, end)))
+    assert finals[0] == finals[1] == (np.asarray(clean.state["w"]).tobytes().hex(), str(N))
