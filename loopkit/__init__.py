@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from loopkit.carry import StepCarry
-from loopkit.checkpoint import CheckpointBackend, Restored
+from loopkit.checkpoint import CheckpointBackend, Restored, RollbackRecord
 from loopkit.config import Config
 from loopkit.coordinator import Coordinator
 from loopkit.errors import (
-    HANG_EXIT_CODE, CheckpointError, LogdirInUseError, NonFiniteError, PluginError,
+    HANG_EXIT_CODE, CheckpointError, LogdirInUseError, NonFiniteError, PluginError, SpikeError,
 )
 from loopkit.hookspec import hookimpl, hookspec
 from loopkit.session import Session
@@ -29,7 +29,9 @@ __all__ = [
     "NonFiniteError",
     "PluginError",
     "Restored",
+    "RollbackRecord",
     "Session",
+    "SpikeError",
     "StashKey",
     "StepCarry",
     "Supervisor",

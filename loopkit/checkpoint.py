@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, NamedTuple, Protocol, Sequence, runtime_checkable
 
-__all__ = ["CheckpointBackend", "Restored"]
+__all__ = ["CheckpointBackend", "Restored", "RollbackRecord"]
 
 PyTree = Any
 
@@ -70,3 +70,17 @@ class Restored:
     step: int
     data_position: Any = None
     path: str | None = None
+    #: batches the input had consumed at `step` (None: `step` itself, nothing skipped)
+    consumed: int | None = None
+    #: the batch ranges ``(first, end)`` rollbacks skipped before `step`, oldest first
+    skipped: tuple[tuple[int, int], ...] = ()
+
+
+class RollbackRecord(NamedTuple):
+    """One rollback (`Config.on_guard="rollback"`), as the `on_rollback` hook receives it."""
+
+    step: int  #: the first bad step
+    restored_step: int  #: the checkpoint's step (or the initial state's) trained on from
+    skipped: tuple[int, int]  #: the batches ``[first, end)`` skipped, by input position
+    metric: str
+    value: float

@@ -98,6 +98,14 @@ def _metric_name(v: Any) -> str | None:
     return None if v is None or (isinstance(v, str) and v) else "a metric name (str) or None"
 
 
+def _threshold(v: Any) -> str | None:
+    return None if v is None or (_is_num(v) and v > 1) else "a number > 1 or None"
+
+
+def _on_guard(v: Any) -> str | None:
+    return None if v in ("raise", "rollback") and isinstance(v, str) else '"raise" or "rollback"'
+
+
 def _profile_steps(v: Any) -> str | None:
     if v is None:
         return None
@@ -217,6 +225,10 @@ class Config:
     progress_secs: float = _field(10, _positive_secs(False))
     compilation_cache: bool = _field(True, _bool)
     hang_timeout_secs: float | None = _field(None, _positive_secs(True))
+    spike_threshold: float | None = _field(None, _threshold)
+    spike_window: int = _field(100, _count(2, False))
+    on_guard: str = _field("raise", _on_guard)
+    max_rollbacks: int = _field(3, _count(0, False))
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -224,6 +236,10 @@ class Config:
             allowed = f.metadata["check"](value)
             if allowed is not None:
                 raise ValueError(f"Config.{f.name}={value!r} is not allowed: expected {allowed}")
+        for name in ("spike_threshold", "on_guard"):  # what the guard does needs a guard
+            if self.nan_guard is None and getattr(self, name) != _DEFAULTS[name]:
+                raise ValueError(f"Config.{name}={getattr(self, name)!r} needs Config.nan_guard "
+                                 "to name the metric to watch (it is None)")
         if self.disable is not None and not isinstance(self.disable, tuple):
             object.__setattr__(self, "disable", tuple(self.disable))
         metrics = self.summary_metrics
@@ -246,3 +262,6 @@ class Config:
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in dataclasses.fields(cls))
+
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Config)}

@@ -31,18 +31,25 @@ class Input:
     puts in its place (it then also replaces `position`).
     """
 
-    def __init__(self, source: Iterator[Any], kind: str, start_step: int) -> None:
+    def __init__(self, source: Iterator[Any], kind: str, start_step: int,
+                 skipped: tuple[tuple[int, int], ...] = (), offset: int = 0) -> None:
         self.source = source
         self.kind = kind  # "iterable" | "callable" | "stateful"
+        #: batches the source had consumed when it was opened (`data(start_step)`)
         self.start_step = start_step
         self.iterator: Iterator[Any] = source
         self.position: Callable[[int], Any] = self._position
+        #: batches consumed minus the global step: batches rollbacks skipped
+        #: (`Config.on_guard`); a checkpoint of step s records s + offset consumed
+        self.offset = offset
+        #: the batch ranges ``(first, end)`` skipped so far, oldest first
+        self.skipped: list[tuple[int, int]] = list(skipped)
 
     def _position(self, step: int) -> Any:
         """The input position after the batch of global step `step` was consumed.
 
         JSON-able; None when the source cannot say (a plain iterable), or when
-        the step alone says it (a callable `data(start_step)`).
+        the batch count alone says it (a callable `data(start_step)`).
         """
         if self.kind == "stateful":
             return self.source.get_state()
@@ -101,15 +108,20 @@ class Lookahead:
         return self._last
 
 
-def make_input(data: Any, start_step: int, position: Any, restored: bool,
-               sharding: Any = None) -> Input:
-    """Open `data` at `start_step` (restoring `position` where the source supports it).
+def make_input(data: Any, step: int, restored: Any = None, sharding: Any = None) -> Input:
+    """Open `data` at global step `step`, or where `restored` (a `loopkit.Restored`) left it.
 
-    With `sharding` (`Config.data_sharding`) each batch is this process's part of a
-    global batch, assembled with `jax.make_array_from_process_local_data` (the
-    `prefetch` plugin does this ahead of the step; without it, here).
+    A callable gets the batches consumed so far (`step`, unless a rollback skipped
+    some); a stateful iterator gets the restored position. With `sharding`
+    (`Config.data_sharding`) each batch is this process's part of a global batch,
+    assembled with `jax.make_array_from_process_local_data` (the `prefetch`
+    plugin does this ahead of the step; without it, here).
     """
-    inp = _open(data, start_step, position, restored)
+    consumed = step if restored is None or restored.consumed is None else restored.consumed
+    position = None if restored is None else restored.data_position
+    inp = _open(data, consumed, position, restored is not None)
+    if restored is not None:
+        inp.skipped, inp.offset = list(restored.skipped), consumed - step
     if sharding is not None:
         inp.iterator = (global_batch(sharding, b) for b in inp.source)
     return inp

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 __all__ = ["CheckpointError", "HANG_EXIT_CODE", "LogdirInUseError", "NonFiniteError",
-           "PluginError"]
+           "PluginError", "SpikeError"]
 
 #: The exit code of a process the hang watchdog ended (`EX_TEMPFAIL`): try again.
 HANG_EXIT_CODE = 75
@@ -28,6 +28,26 @@ class NonFiniteError(FloatingPointError):
 
     def __reduce__(self):  # keep it picklable with its three arguments
         return (type(self), (self.metric, self.step, self.value))
+
+
+class SpikeError(NonFiniteError):
+    """The metric named by `Config.nan_guard` jumped above `Config.spike_threshold` times
+    the median of its recent values.
+
+    A `NonFiniteError` subclass, so one ``except loopkit.NonFiniteError`` catches every
+    failure of the guard; `median` and `threshold` say what the value was compared with.
+    """
+
+    def __init__(self, metric: str, step: int, value: float, median: float,
+                 threshold: float) -> None:
+        FloatingPointError.__init__(
+            self, f"metric {metric!r} spiked to {value} at step {step}: above "
+                  f"spike_threshold={threshold} x the running median {median}")
+        self.metric, self.step, self.value = metric, step, value
+        self.median, self.threshold = median, threshold
+
+    def __reduce__(self):
+        return (type(self), (self.metric, self.step, self.value, self.median, self.threshold))
 
 
 class PluginError(RuntimeError):

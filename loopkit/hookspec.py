@@ -14,7 +14,7 @@ import pluggy
 
 if TYPE_CHECKING:
     from loopkit.carry import StepCarry
-    from loopkit.checkpoint import CheckpointBackend, Restored
+    from loopkit.checkpoint import CheckpointBackend, Restored, RollbackRecord
     from loopkit.config import Config
     from loopkit.manager import PluginManager
     from loopkit.session import Session
@@ -153,6 +153,32 @@ def restore_state(session: Session, like: PyTree) -> Restored | None:
 
     :param session: the `loopkit.Session` (its state is not set yet).
     :param like: the abstract state (`jax.ShapeDtypeStruct` leaves) of ``init``.
+    """
+
+
+@hookspec(firstresult=True)
+def rollback_state(session: Session, before_step: int) -> Restored | None:
+    """Read back the newest saved state of a step before `before_step`, mid-run.
+
+    Called by the ``nan_guard`` built-in with ``Config.on_guard="rollback"``
+    after a bad value at step `before_step`. Wait for saves in flight first; a
+    saved state from `before_step` on holds abandoned steps and must not be
+    resumed from later. Return a `loopkit.Restored` placed like
+    ``session.state``, or None when there is none (the guard then goes back to
+    the session's initial state). Stops at the first non-None result.
+
+    :param session: the `loopkit.Session` (its state is the bad branch's).
+    :param before_step: the first bad step.
+    """
+
+
+@hookspec
+def on_rollback(session: Session, record: RollbackRecord) -> None:
+    """After a rollback: the state is restored and the skipped batches recorded.
+
+    :param session: the `loopkit.Session`, at the restored step.
+    :param record: a `loopkit.RollbackRecord` (bad step, restored step, the batch
+        range skipped, the metric and its value).
     """
 
 

@@ -130,6 +130,7 @@ class Session:
             self.metrics = metrics = metrics or c.no_metrics
             if self._after is not None:
                 self._after(session=self, step=step, metrics=metrics)
+                step = self.step  # the guard may have rolled the session back
             sched = self._sched
             if step >= sched.next_step or self._clock() >= sched.next_time:
                 sched.run_due(self, step)
@@ -343,10 +344,7 @@ class Session:
             "the restored state" if restored is not None else "the state after init_fn",
         )
         if data is not None:
-            self.input = make_input(
-                data, self.step, restored.data_position if restored is not None else None,
-                restored is not None, self.config.data_sharding,
-            )
+            self.input = make_input(data, self.step, restored, self.config.data_sharding)
         carries = [c for c in hook.step_carry(session=self) if c is not None]
         self._before = hook.before_step if hook.before_step.get_hookimpls() else None
         self._after = hook.after_step if hook.after_step.get_hookimpls() else None

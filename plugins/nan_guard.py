@@ -1,35 +1,70 @@
-"""Built-in `nan_guard`: fail the run when the metric `Config.nan_guard` names is not finite.
+"""Built-in `nan_guard`: a bad value of the metric `Config.nan_guard` names fails the run,
+or rolls it back (`Config.on_guard="rollback"`, see `plugins/rollback.py`).
 
-Opt-in, so it may use `after_step`, but it never waits for the step that just
-ran: after step N+1 has been dispatched it checks step N's value, whose
-transfer was started asynchronously a step earlier, so the device stays busy
-while the host looks. The final step's value is checked at a normal stop.
+A value is bad when it is not finite, or, with `Config.spike_threshold`, when it
+exceeds that many times the median of the last `Config.spike_window` good values
+(once half a window has been seen). Opt-in, so it may use `after_step`, but it
+never waits for the step that just ran: after step N+1 has been dispatched it
+checks step N's value, whose transfer was started asynchronously a step earlier,
+so the device stays busy while the host looks. The final step's value is checked
+at a normal stop.
 """
 
 from __future__ import annotations
 
+import bisect
+import collections
 from typing import TYPE_CHECKING, Any, Mapping
 
 import jax
 import numpy as np
 
 from loopkit.config import Config
-from loopkit.errors import NonFiniteError
+from loopkit.errors import NonFiniteError, SpikeError
 from loopkit.hookspec import hookimpl
 
 if TYPE_CHECKING:
     from loopkit.session import Session
 
-__all__ = ["NanGuardPlugin", "plugin"]
+__all__ = ["NanGuardPlugin", "RunningMedian", "plugin"]
 
 INACTIVE = "Config.nan_guard names no metric"
 
 
+class RunningMedian:
+    """The median of the last `size` values added: a sorted copy kept beside their order,
+    so a new value costs two bisections, not a sort."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.order: collections.deque[float] = collections.deque()
+        self.sorted: list[float] = []
+
+    def add(self, value: float) -> None:
+        self.order.append(value)
+        bisect.insort(self.sorted, value)
+        if len(self.order) > self.size:
+            del self.sorted[bisect.bisect_left(self.sorted, self.order.popleft())]
+
+    def median(self) -> float | None:
+        """The median, or None until half a window has been seen."""
+        s, n = self.sorted, len(self.sorted)
+        if 2 * n < self.size:
+            return None
+        return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+
+    def clear(self) -> None:
+        self.order.clear()
+        self.sorted.clear()
+
+
 class NanGuardPlugin:
-    """Raises `loopkit.NonFiniteError(metric, step, value)` one step after a bad value."""
+    """Raises `loopkit.NonFiniteError` (or `loopkit.SpikeError`) one step after a bad value."""
 
     def __init__(self, config: Config) -> None:
         self.metric: str = config.nan_guard  # type: ignore[assignment]
+        self.threshold = config.spike_threshold
+        self.window = RunningMedian(config.spike_window) if self.threshold else None
         self._pending: tuple[int, Any] | None = None  # (step, value) not checked yet
         self._guarded = False  # a transfer guard refused the prefetch once
 
@@ -60,15 +95,24 @@ class NanGuardPlugin:
                     copy()
         pending, self._pending = self._pending, (step, value)
         if pending is not None:
-            self._check(*pending)
+            bad = self._check(*pending)
+            if bad is not None:
+                self._bad(session, bad)
 
     @hookimpl
     def on_stop(self, session: Session, error: BaseException | None) -> None:
         pending, self._pending = self._pending, None
         if error is None and pending is not None:
-            self._check(*pending)  # the last step has no next step to trail it
+            bad = self._check(*pending)  # the last step has no next step to trail it
+            if bad is not None:
+                raise bad
 
-    def _check(self, step: int, value: Any) -> None:
+    def _bad(self, session: Session, error: NonFiniteError) -> None:
+        """What a bad value does: here, fail the run."""
+        raise error
+
+    def _check(self, step: int, value: Any) -> NonFiniteError | None:
+        """The error step `step`'s value calls for, or None when it is good."""
         host = np.asarray(jax.device_get(value))
         if host.dtype.kind not in "biufc":
             raise TypeError(
@@ -78,8 +122,22 @@ class NanGuardPlugin:
         finite = np.isfinite(host)
         if not finite.all():
             bad = host if host.ndim == 0 else host[~finite][0]
-            raise NonFiniteError(self.metric, step, bad.item())
+            return NonFiniteError(self.metric, step, bad.item())
+        window = self.window
+        if window is not None:
+            x = float(host.real.max()) if host.ndim else float(host.real)
+            median = window.median()
+            if median is not None and median > 0 and x > self.threshold * median:
+                return SpikeError(self.metric, step, x, median, self.threshold)
+            window.add(x)
+        return None
 
 
 def plugin(config: Config) -> NanGuardPlugin | None:
-    return NanGuardPlugin(config) if config.nan_guard else None
+    if not config.nan_guard:
+        return None
+    if config.on_guard == "rollback":
+        from loopkit.plugins.rollback import RollbackGuard
+
+        return RollbackGuard(config)
+    return NanGuardPlugin(config)

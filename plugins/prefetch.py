@@ -151,6 +151,7 @@ class Feed:
     def __init__(self, session: Any, cfg: Config) -> None:
         inp = session.input
         self.session, self.source, self.start_step = session, inp.source, inp.start_step
+        self.input = inp
         self.stateful = inp.kind == "stateful"
         self.transform, self.sharding = cfg.data_transform, cfg.data_sharding
         self.depth = cfg.prefetch  # deepened for small batches at the first one
@@ -201,8 +202,10 @@ class Feed:
         return bool(self.ready)
 
     def position(self, step: int) -> Any:
-        """The source's state after the batch of global step `step` was consumed."""
-        return self.states[step - self.start_step]  # not under read_lock: next() may block
+        """The source's state after the batch of global step `step` was consumed
+        (`input.offset` more batches than `step` after a rollback skipped some)."""
+        # not under read_lock: next() may block
+        return self.states[step + self.input.offset - self.start_step]
 
     # -- the producers' side ---------------------------------------------------------
 
@@ -266,7 +269,8 @@ class Feed:
 
     def _record(self) -> None:
         self.states[self.read] = self._state()
-        done = self.session.step - self.start_step  # older states are not asked for
+        # older states are not asked for (the batches consumed only grow)
+        done = self.session.step + self.input.offset - self.start_step
         while self.oldest < done:
             self.states.pop(self.oldest, None)
             self.oldest += 1

@@ -29,9 +29,9 @@ from loopkit.config import Config
 from loopkit.coordinator import add_note
 from loopkit.errors import CheckpointError
 from loopkit.hookspec import hookimpl
-from loopkit.pytree import check_storable
+from loopkit.pytree import abstract, check_storable, conform
 from loopkit.plugins.checkpoint.position import encode_position
-from loopkit.plugins.checkpoint.recovery import find_restorable
+from loopkit.plugins.checkpoint.recovery import find_restorable, read_checkpoint
 from loopkit.plugins.checkpoint.replicas import agree_to_save, host_copies
 from loopkit.plugins.checkpoint.retention import Ledger
 from loopkit.plugins.checkpoint.tf_file import CheckpointState, checkpoint_path
@@ -219,7 +219,41 @@ class CheckpointPlugin:
             return None
         self._restored = (found.step, sorted(map(id, jax.tree.leaves(found.tree))))
         log.info("loopkit: restored %s", self._path(found.step))
-        return Restored(found.tree, found.step, found.data_position, self._path(found.step))
+        return Restored(found.tree, found.step, found.data_position, self._path(found.step),
+                        found.consumed, found.skipped)
+
+    @hookimpl(trylast=True)
+    def rollback_state(self, session: Any, before_step: int) -> Restored | None:
+        """Wait for the save in flight, then read back the newest committed checkpoint
+        of a step before `before_step` (many processes: the chief's choice). Committed
+        checkpoints from `before_step` on hold abandoned steps: they are deleted, so a
+        restart never resumes from them."""
+        self._join_commit(session)
+        if self._commit is not None:
+            raise CheckpointError(f"the checkpoint save {self._path(self._commit.step)} "
+                                  "never committed; cannot roll back past it")
+        backend, ledger = self._open(session)
+        older = [s for s in ledger.on_disk if s < before_step]
+        step = max(older, default=-1)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            import numpy as np
+
+            step = int(multihost_utils.broadcast_one_to_all(np.asarray(step, np.int32)))
+        for doomed in sorted((s for s in ledger.on_disk if s >= before_step), reverse=True):
+            log.warning("loopkit: deleting %s: it holds a step after the bad step %d",
+                        self._path(doomed), before_step)
+            if session.is_chief:
+                ledger.make_room(doomed)
+                backend.delete(doomed)
+            ledger.on_disk.discard(doomed)
+        self._last_save_step = None  # a save at the restored step writes the new position
+        if step < 0:
+            return None
+        like = abstract(session.state)
+        found = read_checkpoint(backend, step, like)
+        return Restored(conform(found.tree, like), step, found.data_position,
+                        self._path(step), found.consumed, found.skipped)
 
     # -- saving ------------------------------------------------------------------------
 
@@ -266,13 +300,14 @@ class CheckpointPlugin:
         if step in ledger.on_disk and session.is_chief:  # saved over: named no more first
             ledger.make_room(step)
             backend.delete(step)
+        inp = session.input
         metadata = {
             "step": step,
-            "data_position": encode_position(
-                session.input.position(step) if session.input is not None else None
-            ),
+            "data_position": encode_position(inp.position(step) if inp is not None else None),
             "timestamp": time.time(),
         }
+        if inp is not None and inp.skipped:  # rollbacks skipped batches: where the input is
+            metadata.update(consumed=step + inp.offset, skipped=[list(r) for r in inp.skipped])
         backend.save(step, state, metadata)
         self._last_save_step = step
         self.blocking_secs = time.perf_counter() - t0

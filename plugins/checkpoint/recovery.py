@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from loopkit.checkpoint import CheckpointBackend
     from loopkit.plugins.checkpoint.retention import Ledger
 
-__all__ = ["Found", "find_restorable"]
+__all__ = ["Found", "find_restorable", "read_checkpoint"]
 
 log = logging.getLogger("loopkit")
 
@@ -36,6 +36,8 @@ class Found(NamedTuple):
     step: int
     tree: PyTree
     data_position: Any
+    consumed: int | None = None  # batches consumed, when rollbacks skipped some
+    skipped: tuple[tuple[int, int], ...] = ()
 
 
 def find_restorable(backend: CheckpointBackend, ledger: Ledger, state: CheckpointState | None,
@@ -51,7 +53,7 @@ def find_restorable(backend: CheckpointBackend, ledger: Ledger, state: Checkpoin
                         "checkpoint; trying the next older one", ledger.logdir, path_of(step))
             continue
         try:
-            return _read(backend, step, like)
+            return read_checkpoint(backend, step, like)
         except Exception as ex:  # noqa: BLE001 - unreadable data marks it corrupt
             log.warning("loopkit: checkpoint %s is unreadable, skipping it (%s: %s)",
                         path_of(step), type(ex).__name__, ex)
@@ -68,9 +70,12 @@ def find_restorable(backend: CheckpointBackend, ledger: Ledger, state: Checkpoin
     return None
 
 
-def _read(backend: CheckpointBackend, step: int, like: PyTree) -> Found:
+def read_checkpoint(backend: CheckpointBackend, step: int, like: PyTree) -> Found:
     tree, metadata = backend.restore(step, like)
-    return Found(step, tree, decode_position((metadata or {}).get("data_position")))
+    metadata = metadata or {}
+    skipped = tuple((int(a), int(b)) for a, b in metadata.get("skipped") or ())
+    return Found(step, tree, decode_position(metadata.get("data_position")),
+                 metadata.get("consumed"), skipped)
 
 
 def _agreed(backend: CheckpointBackend, ledger: Ledger, state: CheckpointState | None,
@@ -98,7 +103,7 @@ def _agreed(backend: CheckpointBackend, ledger: Ledger, state: CheckpointState |
         found: Found | None = None
         try:
             _wait_until_visible(backend, ledger, step, path_of, recovery_wait_secs)
-            found = _read(backend, step, like)
+            found = read_checkpoint(backend, step, like)
         except Exception as ex:  # noqa: BLE001 - unreadable here: agree on it below
             log.warning("loopkit: checkpoint %s is unreadable on process %d (%s: %s)",
                         path_of(step), jax.process_index(), type(ex).__name__, ex)

@@ -99,3 +99,24 @@ def test_config_and_keywords_combine_and_validate():
     assert sv.config.max_steps == 3 and sv.config.progress is False
     with pytest.raises(ValueError, match="Config.max_steps=-2"):
         loopkit.Supervisor(base, max_steps=-2)
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(nan_guard="loss", spike_threshold=1), "Config.spike_threshold=1 .* a number > 1 or None"),
+    (dict(nan_guard="loss", spike_threshold="3"), "Config.spike_threshold='3'"),
+    (dict(nan_guard="loss", spike_window=1), "Config.spike_window=1 .* an int >= 2"),
+    (dict(nan_guard="loss", on_guard="skip"), "Config.on_guard='skip' .* \"raise\" or \"rollback\""),
+    (dict(nan_guard="loss", max_rollbacks=-1), "Config.max_rollbacks=-1 .* an int >= 0"),
+    (dict(spike_threshold=10), "Config.spike_threshold=10 needs Config.nan_guard"),
+    (dict(on_guard="rollback"), "Config.on_guard='rollback' needs Config.nan_guard"),
+])
+def test_guard_fields_are_checked(fields, message):
+    with pytest.raises(ValueError, match=message):
+        Config(**fields)
+
+
+def test_guard_defaults():
+    c = Config(nan_guard="loss", spike_threshold=10.0, on_guard="rollback")
+    assert (Config().spike_threshold, Config().spike_window, Config().on_guard,
+            Config().max_rollbacks) == (None, 100, "raise", 3)
+    assert (c.spike_threshold, c.on_guard) == (10.0, "rollback")

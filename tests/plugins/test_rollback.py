@@ -1,0 +1,257 @@
+"""`on_guard="rollback"`: a bad value restores the last checkpoint before it, the batches
+since are skipped, and the run equals, bit for bit, one whose data never held them."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import loopkit
+
+N = 30  # steps of every run here
+P = 14  # the poisoned batch (0-based): step 15 consumes it
+# saves every 5 steps: step 15 (bad) is saved before the guard sees it at step 16;
+# the rollback deletes it, restores step 10 and skips the batches of steps 11..16
+SKIPPED = (10, 16)
+
+
+def value(i: int) -> np.float32:
+    return np.float32((i * 37 % 11 + 1) / 11)
+
+
+def source(poison=(), skip=(0, 0)):
+    """A callable data(start): batch i is `value(i)`, NaN at `poison`; the batches in
+    `skip` ([first, end)) are not in the data at all."""
+    kept = lambda i: i if i < skip[0] else i + skip[1] - skip[0]
+
+    def data(start):
+        i = start
+        while True:
+            j = kept(i)
+            yield np.float32("nan") if j in poison else value(j)
+            i += 1
+    return data
+
+
+def step_fn(state, batch):
+    w = state["w"] * 0.9 + jnp.sin(state["w"] * batch) * 0.1 + batch
+    return {"w": w, "n": state["n"] + 1}, {"loss": jnp.mean(w) * batch}
+
+
+def init():
+    return {"w": jnp.linspace(0.0, 1.0, 8, dtype=jnp.float32), "n": jnp.zeros((), jnp.int32)}
+
+
+class Rollbacks:
+    """Records the `on_rollback` hook (what a ledger plugin would consume)."""
+
+    def __init__(self):
+        self.records = []
+
+    @loopkit.hookimpl
+    def on_rollback(self, session, record):
+        self.records.append((record, session.step))
+
+
+def run(logdir, data, plugins=(), **kw):
+    fields = dict(max_steps=N, save_model_steps=5, save_model_secs=None,
+                  nan_guard="loss", on_guard="rollback", progress=False)
+    return loopkit.train(step_fn, init=init, data=data, logdir=str(logdir), plugins=plugins,
+                         **{**fields, **kw})
+
+
+def same_bits(a, b):
+    assert a.step == b.step
+    for k in a.state:
+        x, y = np.asarray(a.state[k]), np.asarray(b.state[k])
+        assert x.dtype == y.dtype and x.tobytes() == y.tobytes(), k
+
+
+def test_poisoned_callable_rolls_back_and_equals_a_clean_run(tmp_path, caplog):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    rec = Rollbacks()
+    with caplog.at_level(logging.WARNING, logger="loopkit"):
+        rolled = run(tmp_path / "a", source({P}), plugins=[rec])
+    clean = run(tmp_path / "b", source(skip=SKIPPED))
+    same_bits(rolled, clean)
+    assert int(rolled.state["n"]) == N  # the skipped steps were not counted
+    (record, at), = rec.records
+    assert record == loopkit.RollbackRecord(15, 10, SKIPPED, "loss", record.value)
+    assert record.value != record.value and at == 10  # NaN; the session went back to 10
+    msg = "\n".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    assert "'loss'" in msg and "step 15" in msg and "rolled back to step 10" in msg
+    assert "skipping batches [10, 16) (6)" in msg and "model.ckpt-15" in msg  # deleted
+    acc = EventAccumulator(str(tmp_path / "a"), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("loopkit/rollbacks")] == [(15, 1.0)]
+    # every later checkpoint says where the input stands and what was skipped
+    import orbax.checkpoint as ocp  # noqa: F401 - the backend that wrote it
+
+    assert loopkit.latest_checkpoint(tmp_path / "a")[0] == N
+
+
+def test_no_checkpoint_before_the_bad_step_goes_back_to_the_initial_state(tmp_path):
+    rolled = run(tmp_path / "a", source({3}), save_model_steps=None)
+    clean = run(tmp_path / "b", source(skip=(0, 5)), save_model_steps=None)
+    same_bits(rolled, clean)
+
+
+def test_a_grain_iterator_is_restored_and_advanced(tmp_path):
+    grain = pytest.importorskip("grain")
+    values = [value(i) for i in range(N + 10)]
+    poisoned = [np.float32("nan") if i == P else v for i, v in enumerate(values)]
+    kept = values[:SKIPPED[0]] + values[SKIPPED[1]:]
+
+    def loader(items):
+        return iter(grain.MapDataset.source(items).to_iter_dataset())
+
+    it = loader(poisoned)
+    assert callable(it.get_state) and callable(it.set_state)
+    rolled = run(tmp_path / "a", it)
+    clean = run(tmp_path / "b", loader(kept))
+    same_bits(rolled, clean)
+
+
+def test_the_budget_ends_the_run_with_non_finite_error(tmp_path):
+    rec = Rollbacks()
+    with pytest.raises(loopkit.NonFiniteError) as info:
+        run(tmp_path, source({P, 22}), plugins=[rec], max_rollbacks=1)
+    assert [r.step for r, _ in rec.records] == [15]
+    assert "max_rollbacks=1" in "\n".join(info.value.__notes__)
+    with pytest.raises(loopkit.NonFiniteError):
+        run(tmp_path / "zero", source({P}), max_rollbacks=0)
+
+
+def test_a_finite_spike_is_caught(tmp_path):
+    def spiky(start):
+        i = start
+        while True:
+            yield np.float32(1000.0 * 10) if i == 20 else value(i)
+            i += 1
+
+    with pytest.raises(loopkit.SpikeError) as info:
+        run(tmp_path / "raise", spiky, on_guard="raise", spike_threshold=100, spike_window=10)
+    err = info.value
+    assert isinstance(err, loopkit.NonFiniteError) and err.step == 21 and err.threshold == 100
+    assert err.value > 100 * err.median > 0 and "spiked" in str(err)
+
+    rec = Rollbacks()
+    r = run(tmp_path / "roll", spiky, plugins=[rec], spike_threshold=100, spike_window=10)
+    assert r.step == N and [(x.step, x.restored_step) for x, _ in rec.records] == [(21, 20)]
+    assert isinstance(rec.records[0][0].value, float) and rec.records[0][0].value > 1000
+
+
+def test_a_plain_list_is_refused_at_start_up(tmp_path):
+    with pytest.raises(ValueError, match=r"on_guard='rollback'.*plain iterable.*"
+                                         r"data\(start\).*get_state\(\)/set_state\(\)"):
+        run(tmp_path, [np.float32(1.0)] * 40)
+    assert loopkit.latest_checkpoint(tmp_path) is None  # nothing trained, nothing saved
+
+
+WORKER = textwrap.dedent("""
+    import sys, time
+    import numpy as np, loopkit
+    sys.path.insert(0, {tests!r})
+    from test_rollback import source, step_fn, init, P, N
+
+    slow = lambda s, b: (time.sleep(0.03), step_fn(s, b))[1]
+    r = loopkit.train(slow, init=init, data=source({{P}}), logdir=sys.argv[1], max_steps=N,
+                      save_model_steps=5, save_model_secs=None, nan_guard="loss",
+                      on_guard="rollback", progress=False)
+    np.savez(sys.argv[2], **{{k: np.asarray(v) for k, v in r.state.items()}})
+    print("done", r.step, flush=True)
+""")
+
+
+@pytest.mark.timeout(300)
+def test_sigkill_after_the_rollback_and_a_resume_give_the_same_bits(tmp_path):
+    from loopkit.testing import kill_after_checkpoint
+
+    script, logdir, out = tmp_path / "worker.py", tmp_path / "run", tmp_path / "final.npz"
+    script.write_text(WORKER.format(tests=os.path.dirname(__file__)))
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    cmd = [sys.executable, str(script), str(logdir), str(out)]
+    # step 15 again, after the rollback: its checkpoint holds the skipped batches
+    kill_after_checkpoint(cmd, logdir, 20, env)
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert re.search(rf"^done {N}$", done.stdout, re.M)
+    assert "rolled back" not in done.stderr  # the resume found the skip in the checkpoint
+    clean = run(tmp_path / "clean", source(skip=SKIPPED))
+    with np.load(out) as resumed:
+        for k in clean.state:
+            assert resumed[k].tobytes() == np.asarray(clean.state[k]).tobytes(), k
+
+
+TWO = textwrap.dedent("""
+    import sys, jax
+    jax.distributed.initialize(f"127.0.0.1:{{sys.argv[3]}}", 2, int(sys.argv[2]))
+    import jax.numpy as jnp, numpy as np, loopkit
+    sys.path.insert(0, {tests!r})
+    from test_rollback import value, init, P, N
+
+    me = jax.process_index()
+    def data(start):                       # the same batches; the loss is poisoned on process 1
+        i = start
+        while True:
+            yield value(i), np.float32("nan") if (me == 1 and i == P) else np.float32(0)
+            i += 1
+
+    def step(state, batch):
+        x, flag = batch
+        w = state["w"] * 0.9 + jnp.sin(state["w"] * x) * 0.1 + x
+        return {{"w": w, "n": state["n"] + 1}}, {{"loss": jnp.mean(w) * x + flag}}
+
+    class Rec:
+        @loopkit.hookimpl
+        def on_rollback(self, record):
+            print("ROLLBACK", record.step, record.restored_step, *record.skipped, flush=True)
+
+    r = loopkit.train(step, init=init, data=data, logdir=sys.argv[1], max_steps=N,
+                      save_model_steps=5, save_model_secs=None, nan_guard="loss",
+                      on_guard="rollback", progress=False, plugins=[Rec()])
+    print("W", np.asarray(r.state["w"]).tobytes().hex(), r.step, flush=True)
+""")
+
+
+@pytest.mark.timeout(300)
+def test_two_processes_roll_back_together(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "two.py"
+    script.write_text(TWO.format(tests=os.path.dirname(__file__)))
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    outs = [open(tmp_path / f"p{i}.out", "w+") for i in range(2)]
+    procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path / "run"), str(i),
+                               str(port)], env=env, stdout=outs[i], stderr=subprocess.STDOUT,
+                              text=True) for i in range(2)]
+    try:
+        for p in procs:
+            p.wait(timeout=240)
+    finally:
+        for p in procs:
+            p.kill()
+    texts = []
+    for f in outs:
+        f.seek(0)
+        texts.append(f.read())
+    assert [p.returncode for p in procs] == [0, 0], texts
+    rolls = [re.findall(r"^ROLLBACK (\d+) (\d+) (\d+) (\d+)$", t, re.M) for t in texts]
+    assert rolls[0] == rolls[1] and len(rolls[0]) == 1, texts  # together, once
+    bad, restored, first, end = map(int, rolls[0][0])
+    assert (bad, restored, first) == (15, 10, 10) and end >= 16
+    finals = [re.search(r"^W (\w+) (\d+)$", t, re.M).groups() for t in texts]
+    clean = run(tmp_path / "clean", source(skip=(first, end)))
+    assert finals[0] == finals[1] == (np.asarray(clean.state["w"]).tobytes().hex(), str(N))
