@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from loopkit.config import Config
 from loopkit.hookspec import hookimpl
 from loopkit.plugins.goodput.ledger import LEDGER, SAVE_TIMES, Ledger, SaveTimes
-from loopkit.plugins.goodput.records import Start, Stop, Window
+from loopkit.plugins.goodput.records import Rollback, Start, Stop, Window
 from loopkit.plugins.goodput.report import CAUSES, GoodputReport, summarise
 
 if TYPE_CHECKING:
@@ -156,6 +156,15 @@ class GoodputPlugin:
         writer = session.summary_writer
         if writer is not None and self.ledger is not None:
             write_report(writer, summarise(self.ledger.records), session.step)
+
+    @hookimpl
+    def on_rollback(self, session: Session, record: Any) -> None:
+        """A rollback line: the bad step, the step trained on from, what was skipped."""
+        if self.ledger is not None:
+            first, end = record.skipped
+            self.ledger.write(Rollback(
+                time=time.time(), step=record.step, to_step=record.restored_step,
+                reason=f"{record.metric}={record.value!r}; batches [{first}, {end}) skipped"))
 
     @hookimpl
     def on_stop(self, session: Session, error: BaseException | None) -> None:

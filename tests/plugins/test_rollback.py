@@ -255,3 +255,13 @@ def test_two_processes_roll_back_together(tmp_path):
     finals = [re.search(r"^W (\w+) (\d+)$", t, re.M).groups() for t in texts]
     clean = run(tmp_path / "clean", source(skip=(first, end)))
     assert finals[0] == finals[1] == (np.asarray(clean.state["w"]).tobytes().hex(), str(N))
+
+
+def test_a_rollback_is_a_line_of_the_goodput_ledger(tmp_path):
+    run(tmp_path, source(poison=(P,)))
+    lines = [x for x in (tmp_path / "goodput.jsonl").read_text().splitlines()
+             if '"event":"rollback"' in x]
+    assert len(lines) == 1, lines
+    assert '"step":15' in lines[0] and '"to_step":10' in lines[0]
+    assert f"batches [{SKIPPED[0]}, {SKIPPED[1]}) skipped" in lines[0]
+    assert loopkit.goodput(tmp_path).rollbacks == 1
