@@ -26,8 +26,8 @@ __all__ = ["BUILTINS", "AUTOLOAD_ENV", "PluginManager", "make_plugin_manager"]
 #: any other plugin's), and `on_stop` in the reverse order (after every other's).
 BUILTINS = (
     "init",
-    "summaries",
     "goodput",
+    "summaries",
     "checkpoint",
     "step_counter",
     "progress",

@@ -35,7 +35,7 @@ class AutoInterval:
     def report(self, session: Any) -> GoodputReport:
         ledger = session.stash.get(LEDGER)
         if ledger is not None:  # the chief's, with this session's records so far
-            return summarise(ledger.records)
+            return ledger.report()
         return goodput(session.logdir) if session.logdir is not None else summarise([])
 
     def update(self, session: Any) -> float:

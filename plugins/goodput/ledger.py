@@ -13,16 +13,23 @@ off the caller's thread, as the event files are (`loopkit.plugins.mirror.Mirror`
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import shutil
 import tempfile
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from loopkit import storage
 from loopkit.plugins.mirror import Mirror
 from loopkit.stash import StashKey
-from loopkit.plugins.goodput.records import LEDGER_NAME, Record, append_line, records_in
+from loopkit.plugins.goodput.records import (
+    LEDGER_NAME, Record, Start, append_line, records_in,
+)
+
+if TYPE_CHECKING:
+    from loopkit.plugins.goodput.report import GoodputReport
 
 __all__ = ["LEDGER", "SAVE_TIMES", "Ledger", "SaveTiming", "SaveTimes"]
 
@@ -50,6 +57,16 @@ class Ledger:
         #: every whole record of the ledger: the earlier sessions' and this one's
         self.records: list[Record] = list(records_in(data.decode("utf-8", errors="replace")))
         self._check_end = True  # the first append ends a torn last line
+        #: the running session's start, until its record is written
+        self.pending: Start | None = None
+
+    def report(self) -> GoodputReport:
+        """The report of the records so far, the running session's start included."""
+        from loopkit.plugins.goodput.report import summarise
+
+        with self._lock:
+            records = self.records + ([self.pending] if self.pending is not None else [])
+        return summarise(records)
 
     def write(self, record: Record, wait: bool = False) -> None:
         """Append `record` (any thread). `wait`: under a URL, return once it is uploaded."""
@@ -100,11 +117,15 @@ class SaveTimes:
 
     #: seconds the loop was held by saves (their start, a wait for a commit, the final save)
     held_secs: float = 0.0
-    #: committed saves not yet taken into a ledger record (the ledger takes them)
-    committed: list[SaveTiming] = dataclasses.field(default_factory=list)
+    #: committed saves not yet taken into a ledger record (appended by commit threads)
+    committed: collections.deque[SaveTiming] = dataclasses.field(
+        default_factory=collections.deque)
 
     def take(self) -> list[SaveTiming]:
-        taken, self.committed = self.committed, []
+        """The committed saves not taken yet (thread-safe against the commit threads)."""
+        taken = []
+        while self.committed:
+            taken.append(self.committed.popleft())
         return taken
 
 

@@ -5,8 +5,12 @@ Records (`records`): `Start` at the boundary after the session's first step
 and first-step times), a `Window` on the summary timer (registered with
 `session.every`: nothing runs per step), and `Stop` at the end, after the final
 save. Other plugins add lines through the stash's `LEDGER`. The report of the
-ledger so far goes to TensorBoard under ``goodput/`` with each window and at the
-stop.
+ledger so far goes to TensorBoard under ``goodput/`` with each window.
+
+Its timer is registered before every other built-in's, and each window starts
+by waiting for the steps dispatched so far: a timer that waits for the device
+(the summaries' metrics) would otherwise absorb the queued steps' time, and a
+save's hold would include it.
 """
 
 from __future__ import annotations
@@ -16,11 +20,13 @@ import socket
 import time
 from typing import TYPE_CHECKING, Any
 
+import jax
+
 from loopkit.config import Config
 from loopkit.hookspec import hookimpl
 from loopkit.plugins.goodput.ledger import LEDGER, SAVE_TIMES, Ledger, SaveTimes
 from loopkit.plugins.goodput.records import Rollback, Start, Stop, Window
-from loopkit.plugins.goodput.report import CAUSES, GoodputReport, summarise
+from loopkit.plugins.goodput.report import CAUSES, GoodputReport
 
 if TYPE_CHECKING:
     from loopkit.session import Session
@@ -95,7 +101,7 @@ class GoodputPlugin:
         finally:
             self.restore_secs = time.time() - t0
 
-    @hookimpl(tryfirst=True)  # before the checkpoint plugin's: it reports its saves here
+    @hookimpl(tryfirst=True)  # first of the built-ins: its timer runs first at a boundary
     def session_create(self, session: Session) -> None:
         self._saves = session.stash.setdefault(SAVE_TIMES, SaveTimes())
         if not session.is_chief:
@@ -103,6 +109,8 @@ class GoodputPlugin:
         self._opened = time.time()
         self.ledger = Ledger(session.logdir)
         session.stash[LEDGER] = self.ledger
+        # this session, for reports made before its start record is written ("auto")
+        self.ledger.pending = self._start_record(session, self._opened, first_step=False)
         session.at_step(session.step + 1, self._started, name="goodput_start")
         secs, steps = self.config.save_summaries_secs, self.config.save_summaries_steps
         if secs or steps:
@@ -110,17 +118,21 @@ class GoodputPlugin:
 
     def _started(self, session: Session, first_step: bool = True) -> None:
         now = time.time()
+        start = self._start_record(session, now, first_step)
+        self._start = start
+        assert self.ledger is not None
+        self.ledger.write(start)
+        self.ledger.pending = None
+        self._mark(session, now)
+
+    def _start_record(self, session: Session, now: float, first_step: bool) -> Start:
         restored = session.restored
-        start = Start(
+        return Start(
             time=now, step=session.step - 1 if first_step else session.step,
             host=socket.gethostname(), pid=os.getpid(), process_start=process_start_time(),
             tier=None if restored is None else getattr(restored, "tier", "durable"),
             restore_secs=self.restore_secs,
             first_step_secs=now - self._opened if first_step else None)
-        self._start = start
-        assert self.ledger is not None
-        self.ledger.write(start)
-        self._mark(session, now)
 
     def _mark(self, session: Session, now: float) -> None:
         stats = session.stats
@@ -132,7 +144,9 @@ class GoodputPlugin:
         stats = session.stats
         timers = {name: secs - self._timers.get(name, 0.0)
                   for name, secs in stats.timer_secs.items()
-                  if name not in ("checkpoint", "goodput_start")}  # saves: `save_secs`
+                  # saves are `save_secs`; this plugin's own (the wait for the device
+                  # ends the previous window, its write is a few ms) counts as steps
+                  if name not in ("checkpoint", "goodput", "goodput_start")}
         saves = self._saves.take()
         fields = dict(
             time=now, step=session.step, secs=now - self._last,
@@ -149,13 +163,14 @@ class GoodputPlugin:
     def _window(self, session: Session) -> None:
         if self._start is None or self.ledger is None:
             return
+        jax.block_until_ready(session.metrics)  # the steps dispatched so far are steps
         self.ledger.write(Window(**self._measure(session, time.time())))
         self._summarise(session)
 
     def _summarise(self, session: Session) -> None:
         writer = session.summary_writer
         if writer is not None and self.ledger is not None:
-            write_report(writer, summarise(self.ledger.records), session.step)
+            write_report(writer, self.ledger.report(), session.step)
 
     @hookimpl
     def on_rollback(self, session: Session, record: Any) -> None:
@@ -168,8 +183,9 @@ class GoodputPlugin:
 
     @hookimpl
     def on_stop(self, session: Session, error: BaseException | None) -> None:
-        # after the checkpoint plugin's (the final save is in the last window) and
-        # before the summaries plugin closes the writer
+        # after the checkpoint plugin's: the final save is in the last window (and
+        # after the summaries plugin's, which closed the writer: TensorBoard has the
+        # report of each window)
         ledger = self.ledger
         if ledger is None:
             return
@@ -178,7 +194,6 @@ class GoodputPlugin:
                 self._started(session, first_step=False)
             reason = "error" if error is not None else session.stop_reason
             ledger.write(Stop(**self._measure(session, time.time()), reason=reason))
-            self._summarise(session)
         finally:
             ledger.close()
 

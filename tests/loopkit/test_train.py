@@ -380,7 +380,7 @@ def test_builtins_start_first_and_stop_last(tmp_path):
                   save_model_secs=600, save_summaries_secs=120, plugins=[User()])
     assert seen == [
         ("local_init", False, []),
-        ("start", True, ["summaries", "goodput_start", "goodput", "checkpoint",
+        ("start", True, ["goodput_start", "goodput", "summaries", "checkpoint",
                          "step_counter"]),
         ("stop", True, []),
     ]

@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import pytest
 
 import loopkit
-from loopkit.plugins.goodput.report import CAUSES, young_daly
+from loopkit.plugins.goodput.records import read_records
+from loopkit.plugins.goodput.report import CAUSES, summarise, young_daly
 
 WORKER = Path(__file__).parent.parent / "workers" / "goodput_worker.py"
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
@@ -152,11 +153,15 @@ def test_the_report_goes_to_tensorboard_under_goodput(clean):
         if cause != "timers":
             assert f"goodput/badput/{cause}" in tags, sorted(tags)
     assert {"goodput/fraction", "goodput/wall_secs", "goodput/productive_secs",
-            "goodput/badput/timers/summaries", "goodput/save_cost_secs",
-            "goodput/suggested_save_secs"} <= tags
+            "goodput/badput/timers/summaries", "goodput/interruptions",
+            "goodput/suggested_save_secs"} <= tags  # save_cost_secs once a save is measured
+    # written with each window: the last one (step 55) has the report of the records
+    # up to it (the stop comes after the summaries plugin closed the writer)
     last = acc.Scalars("goodput/fraction")[-1]
-    assert last.step == 60
-    assert last.value == pytest.approx(loopkit.goodput(logdir).fraction, rel=1e-5)
+    assert last.step == 55
+    records = read_records(logdir)
+    assert records[-1].event == "stop"
+    assert last.value == pytest.approx(summarise(records[:-1]).fraction, rel=1e-5)
 
 
 def test_auto_is_accepted_and_its_interval_logged(clean):
