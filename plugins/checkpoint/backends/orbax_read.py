@@ -67,8 +67,9 @@ def read_head(path: Path) -> Head:
     except Exception as e:
         raise CheckpointError(f"checkpoint {path} cannot be read: {e}") from e
     records = read_records(head.get("leaves"), str(path))
+    zarr3 = head.get("zarr3")
     return Head(records, sequences, head.get("metadata") or {},
-                step if type(step) is int else None)
+                step if type(step) is int else None, zarr3 if type(zarr3) is bool else None)
 
 
 def _foreign_head(path: Path) -> Head:
@@ -199,10 +200,9 @@ def stored_arrays(path: Path) -> tuple[set[tuple[str, ...]], bool] | None:
     return found, use_zarr3
 
 
-def read_direct(
-path: Path, wanted: dict[str, tuple[str, ...]],
+def read_direct(path: Path, wanted: dict[str, tuple[str, ...]],
                 place: Callable[[list[str], list[np.ndarray]], list[Any]] | None = None,
-                ) -> dict[str, Any]:
+                stored: tuple[set[tuple[str, ...]], bool] | None = None) -> dict[str, Any]:
     """Whole arrays of ``wanted`` (name -> stored path) read with tensorstore alone.
 
     The same zarr arrays orbax's restore reads, through orbax's own read specs, but
@@ -210,7 +210,8 @@ path: Path, wanted: dict[str, tuple[str, ...]],
     adopts: orbax's restore adds per-array Python (tree metadata, partial-restore
     trimming) and a copy out of tensorstore's buffers, most of a restore's time
     (benchmarks/README.md). Leaves orbax stores otherwise are left out, for
-    orbax's restore. ``place(names, arrays)``, if given, turns each batch of arrays
+    orbax's restore (``stored``: the stored paths of plain arrays and whether they are
+    zarr3, when known; else orbax's `metadata()` says). ``place(names, arrays)``, if given, turns each batch of arrays
     read into what is returned for them (jax arrays), while the later reads are
     still under way: with thousands of leaves the placement's Python is as long as
     the reads.
@@ -219,7 +220,7 @@ path: Path, wanted: dict[str, tuple[str, ...]],
     import orbax.checkpoint as ocp
     from etils import epath
 
-    stored = stored_arrays(path)
+    stored = stored or stored_arrays(path)
     if stored is None:
         return {}  # not a layout described here: orbax reads it
     arrays, use_zarr3 = stored
@@ -309,7 +310,10 @@ def read_arrays(reader: Any, path: Path, head: Head, records: Sequence[LeafRecor
         put_into(arrays, mine, [puts[names[i]] for i in mine])
         return arrays
 
-    values = read_direct(path, host, place)
+    # Which leaves are plain arrays: loopkit's head says (it stores every leaf as one),
+    # else orbax's `metadata()` (a head written before it recorded zarr3, anyone's tree)
+    known = (set(host.values()), head.zarr3) if head.zarr3 is not None else None
+    values = read_direct(path, host, place, known)
     placed = set(values)
     rest = [p for n, p in stored.items() if n not in values]
     if rest:
