@@ -236,6 +236,11 @@ def test_four_processes_sharded_state_resume_on_two(tmp_path):
     # the job shrank after a preemption: 2 processes x 2 devices resume the same logdir
     outs = finish(start(four, two, 2, 25, "--save-steps", "10", "--shard-state", devices=2))
     assert all("READY 20" in out and "RESULT 25 max_steps" in out for _, out, _ in outs)
+    for _, out, _ in outs:
+        # restored into the new job's layout: `w` split over its 4 devices, 2 per process
+        # (a quarter of the 8 values each), `b` replicated on all 4
+        assert "SHARDING w spec=('data',) devices=4 local=2x[(2,)]" in out, out
+        assert "SHARDING b spec=() devices=4 local=2x[()]" in out, out
     for i in (0, 1):
         started = load(two / f"p{i}.npz.ready.npz")
         np.testing.assert_array_equal(started["w"], saved["w"])  # the exact saved values

@@ -116,6 +116,11 @@ def main():
             np.savez(args.out + ".ready.npz", **host(session.state))  # what it started from
             local = all(x.is_fully_addressable for x in jax.tree.leaves(session.state))
             print(f"READY {session.step} host_local={local}", flush=True)
+            for name, x in sorted(session.state.items()):  # where each leaf now lives
+                shards = sorted({tuple(s.data.shape) for s in x.addressable_shards})
+                print(f"SHARDING {name} spec={tuple(getattr(x.sharding, 'spec', ()))} "
+                      f"devices={len(x.sharding.device_set)} "
+                      f"local={len(x.addressable_shards)}x{shards}", flush=True)
 
         @loopkit.hookimpl
         def after_step(self, step):

@@ -112,6 +112,7 @@ class OrbaxBackend:
         self.directory = Path(directory)
         self.basename = basename
         self.config = config
+        self._zarr3 = bool(use_zarr3)  # recorded in the head: how to read the arrays back
         self._name = re.compile(re.escape(basename) + r"-(0|[1-9][0-9]*)")
         self._stale = re.compile(
             r"\.?" + re.escape(basename) + r"-[0-9]+(" + re.escape(_TMP_SUFFIX) + r".*|"
@@ -199,6 +200,7 @@ class OrbaxBackend:
         if not names:
             tree = {"__empty__": np.zeros((1,), np.uint8)}  # orbax needs one array
         custom = {_KEY: {"version": _VERSION, "step": step, "metadata": metadata,
+                         "zarr3": self._zarr3,
                          "leaves": [r.to_json() for r in records],
                          "sequences": sequence_nodes(tree)}}
         try:

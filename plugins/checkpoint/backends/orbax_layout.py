@@ -35,6 +35,9 @@ class Head:
     sequences: dict[tuple[str, ...], int]  # stored nodes orbax holds as lists: their lengths
     metadata: dict
     step: int | None = None
+    #: whether loopkit had orbax store the arrays as zarr3 (None: not recorded, ask orbax);
+    #: every leaf loopkit stores is then one plain zarr array
+    zarr3: bool | None = None
 
 
 def is_orbax_tree(path: Path) -> bool:

@@ -7,14 +7,17 @@ as sequences. Version 2 stores the state in its own structure (lists stay lists)
 version 1 stored nested dicts keyed by the path components; both read the same way.
 A checkpoint without that head (a plain `StandardCheckpointer` or
 `PyTreeCheckpointer` save) is described from orbax's own tree metadata instead.
-Only public orbax API is used. Arrays this process reads whole are read with
-tensorstore directly (`read_direct`), through orbax's own read specs and the
-value types in orbax's ``_METADATA``; everything else goes through orbax's restore.
+Only orbax's public contract is used: the step metadata through
+`metadata.get_step_metadata`, the stored tree through a `PyTreeCheckpointHandler`'s
+`metadata()` (`stored_arrays`). Arrays this process reads whole are read with
+tensorstore directly (`read_direct`), through orbax's own read specs; everything
+else goes through orbax's restore.
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
+import functools
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -31,7 +34,7 @@ from loopkit.plugins.checkpoint.backends.records import (
     LeafRecord, dtype_name, finish, host_value, nest, read_records,
 )
 
-__all__ = ["read_arrays", "read_direct", "read_head", "restore_some", "restore_tree",
+__all__ = ["read_arrays", "read_direct", "read_head", "restore_some", "restore_tree", "stored_arrays",
            "structure_of"]
 
 
@@ -64,8 +67,9 @@ def read_head(path: Path) -> Head:
     except Exception as e:
         raise CheckpointError(f"checkpoint {path} cannot be read: {e}") from e
     records = read_records(head.get("leaves"), str(path))
+    zarr3 = head.get("zarr3")
     return Head(records, sequences, head.get("metadata") or {},
-                step if type(step) is int else None)
+                step if type(step) is int else None, zarr3 if type(zarr3) is bool else None)
 
 
 def _foreign_head(path: Path) -> Head:
@@ -132,15 +136,73 @@ def _lookup(tree: Any, path: Sequence[str]) -> Any:
     return tree
 
 
-_DIRECT_TYPES = ("np.ndarray", "jax.Array")  # orbax value types stored as one zarr array
 _BATCH_LEAVES, _BATCH_BYTES = 256, 64 << 20  # `read_direct` places arrays in batches this big
 _NAME = "@loopkit-array-name@"
 
 
+@functools.cache
+def _lister() -> tuple[Any, type]:
+    """orbax's `PyTreeCheckpointHandler`, used only for its public `metadata()`.
+
+    Its type handlers for numpy and jax arrays are orbax's, but answer `metadata()`
+    from what orbax gives them (`ParamInfo`: the array's name and directory) without
+    opening the array as orbax's own do (a tensorstore open per array: most of the
+    time of a restore of thousands of small leaves).
+    """
+    import jax
+    import orbax.checkpoint as ocp
+
+    th = ocp.type_handlers
+
+    @dataclasses.dataclass
+    class StoredArray(ocp.metadata.Metadata):
+        """A leaf orbax stores as one zarr array (a numpy or jax array), not opened."""
+
+    def listing(base: type) -> type:
+        class Listing(base):
+            """orbax's handler, whose `metadata` names each array without opening it."""
+
+            async def metadata(self, infos: Sequence[Any]) -> Sequence[Any]:
+                return [StoredArray(name=i.name, directory=i.parent_dir) for i in infos]
+
+        return Listing
+
+    registry = th.create_type_handler_registry(
+        *[(t, th.get_type_handler(t)) for t in (int, float, bytes, np.number, str)],
+        (np.ndarray, listing(th.NumpyHandler)()), (jax.Array, listing(th.ArrayHandler)()))
+    return ocp.PyTreeCheckpointHandler(type_handler_registry=registry), StoredArray
+
+
+def stored_arrays(path: Path) -> tuple[set[tuple[str, ...]], bool] | None:
+    """The stored paths of the leaves orbax keeps as one zarr array each at ``path``,
+    and whether they are zarr3, from orbax's `metadata()`; None when orbax cannot say."""
+    from etils import epath
+
+    handler, stored_type = _lister()
+    try:
+        meta = handler.metadata(epath.Path(path))
+        tree, use_zarr3 = meta.tree, bool(meta.use_zarr3)
+    except Exception:  # noqa: BLE001 - orbax's restore reads it, and raises its own error
+        return None
+    found: set[tuple[str, ...]] = set()
+
+    def walk(node: Any, prefix: tuple[str, ...]) -> None:
+        if isinstance(node, dict):
+            for key, child in node.items():
+                walk(child, prefix + (str(key),))
+        elif isinstance(node, (list, tuple)):
+            for i, child in enumerate(node):
+                walk(child, prefix + (str(i),))
+        elif isinstance(node, stored_type):
+            found.add(prefix)
+
+    walk(tree, ())
+    return found, use_zarr3
+
 
 def read_direct(path: Path, wanted: dict[str, tuple[str, ...]],
                 place: Callable[[list[str], list[np.ndarray]], list[Any]] | None = None,
-                ) -> dict[str, Any]:
+                stored: tuple[set[tuple[str, ...]], bool] | None = None) -> dict[str, Any]:
     """Whole arrays of ``wanted`` (name -> stored path) read with tensorstore alone.
 
     The same zarr arrays orbax's restore reads, through orbax's own read specs, but
@@ -148,7 +210,8 @@ def read_direct(path: Path, wanted: dict[str, tuple[str, ...]],
     adopts: orbax's restore adds per-array Python (tree metadata, partial-restore
     trimming) and a copy out of tensorstore's buffers, most of a restore's time
     (benchmarks/README.md). Leaves orbax stores otherwise are left out, for
-    orbax's restore. ``place(names, arrays)``, if given, turns each batch of arrays
+    orbax's restore (``stored``: the stored paths of plain arrays and whether they are
+    zarr3, when known; else orbax's `metadata()` says). ``place(names, arrays)``, if given, turns each batch of arrays
     read into what is returned for them (jax arrays), while the later reads are
     still under way: with thousands of leaves the placement's Python is as long as
     the reads.
@@ -157,16 +220,11 @@ def read_direct(path: Path, wanted: dict[str, tuple[str, ...]],
     import orbax.checkpoint as ocp
     from etils import epath
 
-    try:
-        meta = json.loads((path / "_METADATA").read_text())
-        kinds = {tuple(str(k["key"]) for k in v["key_metadata"]): v["value_metadata"]
-                 for v in meta["tree_metadata"].values()}
-        use_zarr3 = meta["use_zarr3"]
-    except (OSError, ValueError, KeyError, TypeError):
+    stored = stored or stored_arrays(path)
+    if stored is None:
         return {}  # not a layout described here: orbax reads it
-    names = [n for n, p in wanted.items()
-             if kinds.get(p, {}).get("value_type") in _DIRECT_TYPES
-             and not kinds[p].get("skip_deserialize")]
+    arrays, use_zarr3 = stored
+    names = [n for n, p in wanted.items() if p in arrays]
     if not names:
         return {}
     ocdbt = ocp.type_handlers.is_ocdbt_checkpoint(epath.Path(path))
@@ -252,7 +310,10 @@ def read_arrays(reader: Any, path: Path, head: Head, records: Sequence[LeafRecor
         put_into(arrays, mine, [puts[names[i]] for i in mine])
         return arrays
 
-    values = read_direct(path, host, place)
+    # Which leaves are plain arrays: loopkit's head says (it stores every leaf as one),
+    # else orbax's `metadata()` (a head written before it recorded zarr3, anyone's tree)
+    known = (set(host.values()), head.zarr3) if head.zarr3 is not None else None
+    values = read_direct(path, host, place, known)
     placed = set(values)
     rest = [p for n, p in stored.items() if n not in values]
     if rest:

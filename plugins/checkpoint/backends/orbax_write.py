@@ -9,13 +9,18 @@ writes the very same arrays -- orbax's own write spec, keys, zarr metadata and
 chunks, so orbax restores them as its own -- but builds one spec per distinct shape
 and dtype, opens the database once, and has every array opened and written at once.
 
-Its writes finish while orbax builds the tree metadata: the handler reports the
-arrays handed over once every write is under way, and the checkpoint handler's
-`finalize`, which orbax calls before it merges the per-process databases and renames
-the temporary directory, first waits for them (and raises their first error). A save
-that fails before then waits for them too (`Saver.abandon`). Only the public orbax
-API is used (the handler classes, `type_handlers.get_json_tspec_write`,
-`multihost.process_index`).
+It is a `TypeHandler` on orbax's public contract (`typestr`, `metadata`,
+`serialize`, `deserialize`; registered in the save's type-handler registry for
+numpy arrays), with no `_`-prefixed orbax member overridden, called or read:
+`serialize` returns orbax's `CommitFutureAwaitingContractedSignals` around one
+coroutine for the whole batch, as `TypeHandler.serialize` asks. That coroutine
+returns once every write is under way, so the writes finish while orbax builds the
+tree metadata; the checkpoint handler's `finalize` (public, and called by orbax
+before it merges the per-process databases and renames the temporary directory)
+first waits for them and raises their first error. A save that fails before then
+waits for them too (`Saver.abandon`). The orbax functions used are public:
+`type_handlers.get_json_tspec_write` (listed by orbax as deprecated but exported),
+`multihost.process_index`, `future.CommitFutureAwaitingContractedSignals`.
 """
 
 from __future__ import annotations
@@ -88,7 +93,11 @@ class _Writes:
             return self._generation
 
     def start(self, generation: int, jobs: list[tuple[tuple, str, Any]]) -> None:
-        """Open every array (all at once) and start its write; return once all are started."""
+        """Open every array (all at once) and start its write; return once all are started.
+
+        Each job is ``((spec, kvstore, kvstore key, context), name, value)``: the spec
+        without its path and the checkpoint's kvstore, or (kvstore None) a whole spec.
+        """
         import tensorstore as ts
 
         with self._cv:
@@ -100,6 +109,10 @@ class _Writes:
             stores: dict[tuple[str, int], Any] = {}
             opening = []
             for (spec, kvstore, where, context), name, _ in jobs:
+                if kvstore is None:  # orbax's whole spec for this one array
+                    opening.append(ts.open(ts.Spec(spec), create=True, open=True,
+                                           context=context))
+                    continue
                 key = (where, id(context))
                 if key not in stores:
                     stores[key] = ts.KvStore.open(kvstore, context=context).result()
@@ -143,57 +156,87 @@ class _Writes:
 def _numpy_handler_class() -> type:
     import orbax.checkpoint as ocp
 
-    class BatchedNumpyHandler(ocp.type_handlers.NumpyHandler):
-        """orbax's `NumpyHandler`, writing a batch of arrays in one go (see the module)."""
+    class BatchedNumpyHandler(ocp.type_handlers.TypeHandler):
+        """A `TypeHandler` for numpy arrays writing all of a save's arrays in one batch.
+
+        It stores what orbax's `NumpyHandler` stores (its type string, write specs,
+        keys and zarr metadata), so orbax reads the arrays back as its own; reading
+        and metadata are orbax's `NumpyHandler`'s. Public contract only: `serialize`
+        returns orbax's `CommitFutureAwaitingContractedSignals` around the batch's
+        coroutine, as `TypeHandler.serialize` asks of a handler that writes.
+        """
 
         def __init__(self, writes: _Writes) -> None:
-            super().__init__(deepcopy_host_arrays=False)
-            self._writes = writes
-            self._generation = 0
+            self.numpy = ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False)
+            self.writes = writes
+
+        def typestr(self) -> str:
+            return self.numpy.typestr()  # "np.ndarray": orbax's own handler reads them
+
+        async def metadata(self, infos: Sequence[Any]) -> Sequence[Any]:
+            return await self.numpy.metadata(infos)
+
+        async def deserialize(self, infos: Sequence[Any],
+                              args: Sequence[Any] | None = None) -> Sequence[Any]:
+            return await self.numpy.deserialize(infos, args)
 
         async def serialize(self, values: Sequence[np.ndarray], infos: Sequence[Any],
-                            args: Sequence[Any] | None = None) -> Any:
-            self._generation = self._writes.generation()  # before anything can fail
-            return await super().serialize(values, infos, args)
-
-        async def _background_serialize(self, values: Sequence[np.ndarray],
-                                        infos: Sequence[Any],
-                                        args: Sequence[Any] | None = None) -> None:
-            if ocp.multihost.process_index() != 0:
-                return  # as orbax's: numpy arrays are the same on every process
+                            args: Sequence[Any] | None = None) -> Sequence[Any]:
+            generation = self.writes.generation()  # before anything can fail
             args = args or [ocp.SaveArgs()] * len(values)
-            # orbax gives one handler's arrays one parent directory (ParamInfo's contract)
-            await infos[0].await_path_creation()
-            parent = infos[0].parent_dir
-            groups: dict[tuple, tuple[Any, dict, str, Any] | None] = {}
-            jobs = []
-            for value, info, arg in zip(values, infos, args):
-                # the dtype itself: int4, uint4 and float8_e4m3fn all have the str '<V1'
-                key = (value.shape, value.dtype, repr(arg), info.use_compression,
-                       info.use_zarr3, info.is_ocdbt_checkpoint,
-                       info.ocdbt_target_data_file_size, id(info.ts_context))
-                if key not in groups:
-                    groups[key] = _group_spec(info.replace(parent_dir=parent), value, arg)
-                group = groups[key]
-                if group is None:  # a spec not seen here: orbax writes the batch itself
-                    return await super()._background_serialize(values, infos, args)
-                jobs.append((group, info.name, value))
-            await asyncio.to_thread(self._writes.start, self._generation, jobs)
+            if len(args) != len(values) or len(infos) != len(values):
+                raise ValueError(f"{len(values)} values, {len(infos)} infos and {len(args)} "
+                                 f"save args: orbax gives a handler as many of each")
+            return [ocp.future.CommitFutureAwaitingContractedSignals(
+                _write_batch(self.writes, generation, values, infos, args),
+                name="loopkit_np_batch")]
 
     return BatchedNumpyHandler
 
 
-def _group_spec(info: Any, value: np.ndarray, arg: Any) -> tuple[Any, dict, str, Any] | None:
-    """orbax's write spec for ``info`` without the array's path, and the kvstore it names."""
+async def _write_batch(writes: _Writes, generation: int, values: Sequence[np.ndarray],
+                       infos: Sequence[Any], args: Sequence[Any]) -> None:
+    """Start every write of a handler's batch; return once all are under way."""
     import orbax.checkpoint as ocp
-    import tensorstore as ts
 
-    spec = ocp.type_handlers.get_json_tspec_write(
+    if ocp.multihost.process_index() != 0:
+        return  # as orbax's: numpy arrays are the same on every process
+    # orbax gives one handler's arrays one parent directory (ParamInfo's contract)
+    await infos[0].await_path_creation()
+    parent = infos[0].parent_dir
+    groups: dict[tuple, tuple[Any, dict, str, Any] | None] = {}
+    jobs = []
+    for value, info, arg in zip(values, infos, args):
+        # the dtype itself: int4, uint4 and float8_e4m3fn all have the str '<V1'
+        key = (value.shape, value.dtype, repr(arg), info.use_compression,
+               info.use_zarr3, info.is_ocdbt_checkpoint,
+               info.ocdbt_target_data_file_size, id(info.ts_context))
+        if key not in groups:
+            groups[key] = _group_spec(info.replace(parent_dir=parent), value, arg)
+        group = groups[key]
+        if group is None:  # a spec not seen here: opened whole, as orbax's handler does
+            info = info.replace(parent_dir=parent)
+            group = (_write_spec(info, value, arg), None, None, info.ts_context)
+        jobs.append((group, info.name, value))
+    await asyncio.to_thread(writes.start, generation, jobs)
+
+
+def _write_spec(info: Any, value: np.ndarray, arg: Any) -> dict:
+    """orbax's tensorstore write spec for the numpy array ``value`` of ``info``."""
+    import orbax.checkpoint as ocp
+
+    return ocp.type_handlers.get_json_tspec_write(
         info, use_ocdbt=info.is_ocdbt_checkpoint, global_shape=value.shape,
         local_shape=value.shape, dtype=value.dtype,
         process_index=ocp.multihost.process_index() if info.is_ocdbt_checkpoint else None,
         arg=arg)
-    split = split_kvstore(spec, info.name)
+
+
+def _group_spec(info: Any, value: np.ndarray, arg: Any) -> tuple[Any, dict, str, Any] | None:
+    """orbax's write spec for ``info`` without the array's path, and the kvstore it names."""
+    import tensorstore as ts
+
+    split = split_kvstore(_write_spec(info, value, arg), info.name)
     if split is None:
         return None
     # (the kvstore as JSON too: groups of one database open it once, in `_Writes.start`)
@@ -210,10 +253,10 @@ def _pytree_handler_class() -> tuple[type, type]:
 
         def __init__(self, writes: _Writes, **options: Any) -> None:
             super().__init__(**options)
-            self._writes = writes
+            self.writes = writes
 
         def finalize(self, directory: Any) -> None:
-            self._writes.join()
+            self.writes.join()
             super().finalize(directory)
 
     @ocp.args.register_with_handler(PyTreeHandler, for_save=True)
