@@ -67,7 +67,7 @@ class CheckpointPlugin:
         #: the tier the session restored from: "durable", "local", or None
         self.restored_from: str | None = None
         self._restored: tuple[int, list[int]] | None = None  # (step, leaf ids) just restored
-        self._staged: tuple[int, Any, SharedHold] | None = None  # (step, state, hold)
+        self._local_timer: Any = None  # the local tier's timer (its handle)
 
     @property
     def backend(self) -> CheckpointBackend | None:
@@ -186,7 +186,8 @@ class CheckpointPlugin:
         secs = self.config.save_local_secs or None
         steps = self.config.save_local_steps or None
         if self.local is not None and (secs or steps):
-            session.every(self._save_local, secs=secs, steps=steps, name="checkpoint_local")
+            self._local_timer = session.every(self._save_local, secs=secs, steps=steps,
+                                              name="checkpoint_local")
 
     def _metadata(self, session: Any, step: int) -> dict:
         return {
@@ -198,21 +199,12 @@ class CheckpointPlugin:
             "process_count": jax.process_count(),
         }
 
-    def _stage(self, session: Any, step: int) -> tuple[Any, SharedHold]:
-        """The state staged for a background save: the other tier's staging at this
-        step when it is still held (one device-to-host copy serves both)."""
-        staged = self._staged
-        if (staged is not None and staged[0] == step and staged[1] is session.state
-                and staged[2].acquire()):
-            return staged[2].state, staged[2]
-        # The backend may read in the background: the state staged so that the
-        # next steps donate none of what it reads, kept until the save commits.
-        hold = SharedHold(session.stage_state())
-        self._staged = (step, session.state, hold)
-        return hold.state, hold
+    def _save(self, session: Any, final: bool = False) -> None:
+        """Start saving the current state (the timer action, and the `final` save).
 
-    def _save(self, session: Any) -> None:
-        """Start saving the current state (the timer action, and the final save)."""
+        When the local tier's timer is due at this step as well, its save starts
+        here too, from the same staging of the state (one device-to-host copy).
+        """
         t0 = time.perf_counter()
         step, many = session.step, jax.process_count() > 1
         tier = self._open(session)
@@ -220,27 +212,48 @@ class CheckpointPlugin:
         refused = tier.unusable()
         if not many and refused is not None:
             raise refused
-        state, hold = self._stage(session, step)
+        # The backend may read in the background: the state staged so that the
+        # next steps donate none of what it reads, kept until the save commits.
+        hold = SharedHold(session.stage_state())
+        state = hold.state
         if many:
             # every process saves at this step: agree that all may, and on the replicas
             state, names, prints = host_copies(state)
             agree_to_save(tier.path(step), names, prints, refused)
-        tier.start(session, step, state, hold, self._metadata(session, step))
+        timer = self._local_timer
+        local = (not final and timer is not None and not timer.cancelled
+                 and timer.due(step, session.clock()))
+        if local:
+            hold.acquire()  # before the durable commit may release it
+        metadata = self._metadata(session, step)
+        tier.start(session, step, state, hold, metadata)
         self.blocking_secs = time.perf_counter() - t0
         if session.summary_writer is not None:
             session.summary_writer.add_scalar(BLOCKING_TAG, self.blocking_secs, step)
+        if local:
+            timer.arm(step, session.clock())  # saved: its timer starts over from here
+            self._save_local(session, (hold, metadata))
 
-    def _save_local(self, session: Any) -> None:
-        """Start saving the current state to the local tier (its timer action)."""
+    def _save_local(self, session: Any, staged: tuple[SharedHold, dict] | None = None) -> None:
+        """Start saving the current state to the local tier (its timer action), or
+        the staging the durable save at this step made (`staged`)."""
         t0 = time.perf_counter()
         tier, step = self.local, session.step
         assert tier is not None
-        tier.join(session, self.config.stop_grace_secs)
-        refused = tier.unusable()
-        if refused is not None:
-            raise refused
-        state, hold = self._stage(session, step)
-        tier.start(session, step, state, hold, self._metadata(session, step))
+        refused = None
+        if tier.last_save_step != step:  # else the durable save at this step saved it too
+            tier.join(session, self.config.stop_grace_secs)
+            refused = tier.unusable()
+        if tier.last_save_step == step or refused is not None:
+            if staged is not None:
+                staged[0].release()
+            if refused is not None:
+                raise refused
+            return
+        if staged is None:
+            staged = SharedHold(session.stage_state()), self._metadata(session, step)
+        hold, metadata = staged
+        tier.start(session, step, hold.state, hold, metadata)
         self.local_blocking_secs = time.perf_counter() - t0
         if session.summary_writer is not None:
             session.summary_writer.add_scalar(LOCAL_BLOCKING_TAG, self.local_blocking_secs, step)
@@ -275,10 +288,9 @@ class CheckpointPlugin:
             for t in tiers:
                 t.join(session, self.config.stop_grace_secs)
             if self._owes_final_save(session, error):
-                self._save(session)
+                self._save(session, final=True)
                 tier.join(session, self.config.stop_grace_secs)
         finally:
-            self._staged = None
             for t in tiers:
                 t.close()
         for t in tiers:

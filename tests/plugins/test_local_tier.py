@@ -147,8 +147,9 @@ def run(tmp_path: Path, max_steps: int, **config):
         def session_create(self, session) -> None:
             seen["tier"] = session.stash[RESTORED_TIER]
 
+    plugins = [Tier(), *settings.pop("plugins", [])]
     result = loopkit.train(step_fn, init=lambda: {"w": jnp.ones((4,), jnp.float32)},
-                           data=data, plugins=[Tier()], **settings)
+                           data=data, plugins=plugins, **settings)
     return result, seen["tier"]
 
 
@@ -235,3 +236,26 @@ def test_config_refuses_a_local_tier_in_the_logdir_or_without_one(tmp_path):
     c = loopkit.Config(logdir=tmp_path)
     assert (c.local_checkpoint_dir, c.save_local_secs, c.save_local_steps,
             c.max_to_keep_local) == (None, 60, None, 2)
+
+
+def test_saves_of_both_tiers_at_one_step_share_one_staging(tmp_path):
+    stagings = []
+
+    class Count:
+        @loopkit.hookimpl
+        def session_create(self, session) -> None:
+            stage = session.stage_state
+
+            def counted():
+                stagings.append(session.step)
+                return stage()
+
+            session.stage_state = counted
+
+    run(tmp_path, 13, save_model_steps=6, plugins=[Count()])
+    # local saves at 3, 6, 9, 12; durable at 6, 12 and the final 13: one staging a step
+    assert stagings == [3, 6, 9, 12, 13]
+    durable = loopkit.load_checkpoint(tmp_path / "run" / "model.ckpt-12")
+    local = loopkit.load_checkpoint(tmp_path / "local" / "model.ckpt-12")
+    assert durable["w"].tobytes() == local["w"].tobytes()
+    assert [s for s, _ in read_state(tmp_path / "local").listed] == [9, 12]
