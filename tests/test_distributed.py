@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -12,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+import loopkit
 
 WORKER = Path(__file__).parent / "workers" / "distributed_worker.py"
 TIMEOUT = 150  # a deadlock fails the test instead of hanging CI
@@ -240,3 +243,23 @@ def test_four_processes_sharded_state_resume_on_two(tmp_path):
         np.testing.assert_array_equal(started["w"], saved["w"])  # the exact saved values
         np.testing.assert_array_equal(started["b"], saved["b"])
     assert (four / "checkpoint").read_text().startswith('model_checkpoint_path: "model.ckpt-25"')
+
+
+def test_two_processes_with_local_tiers_resume_together_from_the_durable_tier(tmp_path):
+    """Many processes do not write the local tier yet (a warning says so): a job whose
+    local tiers are wiped or never written resumes from the durable step, bitwise."""
+    full, half, local = tmp_path / "full", tmp_path / "half", tmp_path / "local"
+    for d in (full, half):
+        d.mkdir()
+    finish(start(full, full, 2, 30, "--save-steps", "10"))
+    outs = finish(start(half, half, 2, 25, "--save-steps", "10", "--local-dir", str(local)))
+    assert all("local_checkpoint_dir" in err and "not used with 2 processes" in err
+               for _, _, err in outs)
+    assert not any(local.glob("p*/model.ckpt-*"))
+    assert loopkit.latest_checkpoint(half)[0] == 25
+    shutil.rmtree(local, ignore_errors=True)  # one machine lost: its local tier gone
+    procs = start(half, half, 2, 30, "--save-steps", "10", "--local-dir", str(local))
+    outs = finish(procs)
+    assert all("READY 25" in out and "RESULT 30 max_steps" in out for _, out, _ in outs)
+    for k in ("w", "b"):
+        np.testing.assert_array_equal(load(full / "p0.npz")[k], load(half / "p0.npz")[k])

@@ -2,12 +2,13 @@
 
     python distributed_worker.py LOGDIR OUT NUM_PROCESSES PROCESS_ID PORT MAX_STEPS
         [--step-sleep S] [--save-secs S] [--save-steps N] [--data-lens N0,N1,...]
-        [--host-local] [--differ] [--shard-state]
+        [--host-local] [--differ] [--shard-state] [--local-dir DIR]
 
 --host-local: the state is plain jax arrays each process holds on its own (replicas),
 fed the same batches on every process, without data_sharding; --differ seeds them
 with the process index. --data-lens: process i's data ends after global step N_i.
 --shard-state: `w` is sharded over every device of every process.
+--local-dir: a local checkpoint tier in DIR/p<process id>, saved every 3 steps.
 """
 
 import argparse
@@ -37,6 +38,7 @@ def main():
     p.add_argument("--host-local", action="store_true")
     p.add_argument("--differ", action="store_true")
     p.add_argument("--shard-state", action="store_true")
+    p.add_argument("--local-dir", default=None)
     args = p.parse_args()
     if args.num_processes > 1:
         jax.distributed.initialize(f"127.0.0.1:{args.port}", args.num_processes,
@@ -100,11 +102,14 @@ def main():
             if args.step_sleep:
                 time.sleep(args.step_sleep)
 
+    tiers = {} if args.local_dir is None else dict(
+        local_checkpoint_dir=os.path.join(args.local_dir, f"p{args.process_id}"),
+        save_local_steps=3, save_local_secs=None)
     r = loopkit.train(step_fn, init=init, data=data,
                       data_sharding=None if args.host_local else batch_sharding,
                       logdir=args.logdir, max_steps=args.max_steps, plugins=[Pace()],
                       save_model_secs=args.save_secs, save_model_steps=args.save_steps,
-                      save_summaries_steps=5, progress=False)
+                      save_summaries_steps=5, progress=False, **tiers)
     state = host(r.state)
     np.savez(args.out, w=state["w"], b=state["b"], step=r.step)
     print(f"RESULT {r.step} {r.stop_reason}", flush=True)
