@@ -2,7 +2,7 @@
 
 Saves run on the shared timer (`save_model_secs` / `save_model_steps`) and once
 more at a normal stop. A save is started from the main thread (the backend may
-write asynchronously); a commit thread of this plugin then waits for it to be
+write asynchronously); a commit thread (`tier.Commit`) then waits for it to be
 durable and only then, on the chief, rewrites ``logdir/checkpoint`` and applies
 retention (`retention.Ledger`; the first publish also records the backend's name
 beside the file, `tf_file.write_backend_name`). At most one save is in flight: the
@@ -11,6 +11,14 @@ committing stops the run and is re-raised from `train`. Recovery at start-up is
 `recovery.find_restorable`, in the order `tf_file.recovery_order` gives. How long
 each save held the loop is written beside the metrics as
 ``loopkit/checkpoint_blocking_secs``.
+
+With `Config.local_checkpoint_dir`, a second `tier.Tier` on its own timer
+(``checkpoint_local``): a second instance of the backend, its own `checkpoint` file
+and retention (`max_to_keep_local`). A local save due at a durable save's step starts
+from that save's staging. Recovery restores the local tier's newest readable
+checkpoint when it is at least as new as the durable tier's (`recovery.find_local`);
+`RESTORED_TIER` says which tier served. With many processes the local tier is not
+written yet (a warning says so).
 """
 
 from __future__ import annotations
