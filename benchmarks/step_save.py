@@ -1,6 +1,6 @@
 """How long a save holds the loop, and how much memory it adds, for an updating and a frozen step.
 
-    python benchmarks/step_save.py [--mb 256] [--repeats 5]
+    python benchmarks/step_save.py [--mb 256] [--repeats 5] [--tiers durable,both]
 
 Two states of ``--mb`` MB of float32 (8 matrices): "updating", whose step
 rewrites every leaf, and "frozen", whose step passes the matrices through and
@@ -15,7 +15,8 @@ rewrites a small head (a fine-tune). For each:
 2. loopkit end to end (orbax backend, saves spaced beyond a commit): the hold
    per save, the extra time of the step that saves plus that of the step after
    it, each step blocked on (the median over the saves after the first, and the
-   first save apart); the growth of peak
+   first save apart), with the durable tier alone and with a local tier saving at
+   the same steps (`--tiers`: one staging of the state serves both); the growth of peak
    host memory (VmHWM) during a save, and of resident memory from before the
    first save to after the last; on an accelerator, the peak device memory of
    the run against the state's size (run one step kind per process for that:
@@ -162,17 +163,21 @@ def reset_hwm() -> bool:
         return False
 
 
-def end_to_end(step, mb: int, repeats: int, root: Path, raw: float) -> dict[str, float]:
+def end_to_end(step, mb: int, repeats: int, root: Path, raw: float,
+               both: bool = False) -> dict[str, float]:
     """Median hold per save and save action (s), the first save's hold, memory growth (MB).
 
     A save runs inside the `run()` of its step (a multiple of `every`); the hold is
     that call's extra time plus the next one's, over the median of the two steps
-    before the save (neither next to one).
+    before the save (neither next to one). `both`: a local tier saves at the same
+    steps as the durable one (one staging serves both saves).
     """
     every = 4
-    sv = loopkit.Supervisor(logdir=str(root), save_model_secs=None, save_model_steps=every,
-                            progress=False, disable=("summaries",), autoload=False,
-                            max_to_keep=1)
+    tiers = dict(local_checkpoint_dir=str(root / "local"), save_local_secs=None,
+                 save_local_steps=every, max_to_keep_local=1) if both else {}
+    sv = loopkit.Supervisor(logdir=str(root / "run"), save_model_secs=None,
+                            save_model_steps=every, progress=False, disable=("summaries",),
+                            autoload=False, max_to_keep=1, **tiers)
     holds, actions, growth = [], [], []
     space = max(1.5, 3 * raw)  # the last save has committed: nothing waits for it
     times: dict[int, float] = {}
@@ -195,7 +200,8 @@ def end_to_end(step, mb: int, repeats: int, root: Path, raw: float) -> dict[str,
             base = status_kb("VmHWM")
             run()  # steps and saves
             save = sess.step
-            action = sess.plugin_manager.get_plugin("checkpoint").blocking_secs or 0.0
+            plugin = sess.plugin_manager.get_plugin("checkpoint")
+            action = (plugin.blocking_secs or 0.0) + (plugin.local_blocking_secs or 0.0)
             run()  # the step after the save
             normal = statistics.median([times[save - 2], times[save - 1]])
             holds.append(times[save] - normal + times[save + 1] - normal)
@@ -215,6 +221,8 @@ def main() -> None:
     p.add_argument("--mb", type=int, default=256)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--steps", default="updating,frozen", help="which step kinds, in order")
+    p.add_argument("--tiers", default="durable,both",
+                   help="durable: one tier; both: a local tier saving at the same steps")
     p.add_argument("--skip-strategies", action="store_true",
                    help="loopkit end to end only (keeps the device peak the run's own)")
     args = p.parse_args()
@@ -230,13 +238,16 @@ def main() -> None:
         for name in args.steps.split(","):
             step = kinds[name]
             print(f"{name} step")
-            r = end_to_end(step, args.mb, args.repeats, root / name, raw)
-            print(f"  loopkit, orbax: hold per save {r['hold'] * 1e3:.1f} ms "
-                  f"({100 * r['hold'] / raw:.1f}% of raw write; save action "
-                  f"{r['action'] * 1e3:.1f} ms; the first save {r['first'] * 1e3:.1f} ms)")
-            print(f"  host memory: peak +{r['growth']:.0f} MB during a save "
-                  f"({r['growth'] / args.mb:.2f}x the state), resident +{r['resident']:.0f} MB "
-                  f"after the saves ({r['resident'] / args.mb:.2f}x)")
+            for tiers in args.tiers.split(","):
+                r = end_to_end(step, args.mb, args.repeats, root / name / tiers, raw,
+                               both=tiers == "both")
+                what = "durable + local tier at once" if tiers == "both" else "durable tier"
+                print(f"  loopkit, orbax, {what}: hold per save {r['hold'] * 1e3:.1f} ms "
+                      f"({100 * r['hold'] / raw:.1f}% of raw write; save action "
+                      f"{r['action'] * 1e3:.1f} ms; the first save {r['first'] * 1e3:.1f} ms)")
+                print(f"    host memory: peak +{r['growth']:.0f} MB during a save "
+                      f"({r['growth'] / args.mb:.2f}x the state), resident "
+                      f"+{r['resident']:.0f} MB after the saves ({r['resident'] / args.mb:.2f}x)")
             peak = device_peak()
             if peak is not None:
                 print(f"  device memory: at most {r['device'] / MB:.0f} MB in use during the "

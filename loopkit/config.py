@@ -73,6 +73,16 @@ def _logdir(v: Any) -> str | None:
     return "a non-empty path (str or os.PathLike) or None"
 
 
+def _local_dir(v: Any) -> str | None:
+    from loopkit.storage import is_url
+
+    if v is None or (isinstance(v, (str, os.PathLike)) and str(os.fspath(v)) != ""
+                     and not is_url(v)):
+        return None
+    return ("a local path (str or os.PathLike: a local SSD, /dev/shm) or None; "
+            "not a URL: the durable tier is logdir")
+
+
 def _basename(v: Any) -> str | None:
     if isinstance(v, str) and v and "/" not in v and os.sep not in v:
         return None
@@ -229,6 +239,10 @@ class Config:
     spike_window: int = _field(100, _count(2, False))
     on_guard: str = _field("raise", _on_guard)
     max_rollbacks: int = _field(3, _count(0, False))
+    local_checkpoint_dir: str | os.PathLike[str] | None = _field(None, _local_dir)
+    save_local_secs: float | None = _field(60, _secs(True))
+    save_local_steps: int | None = _field(None, _count(0, True))
+    max_to_keep_local: int | None = _field(2, _count(0, True))
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -240,6 +254,8 @@ class Config:
             if self.nan_guard is None and getattr(self, name) != _DEFAULTS[name]:
                 raise ValueError(f"Config.{name}={getattr(self, name)!r} needs Config.nan_guard "
                                  "to name the metric to watch (it is None)")
+        if self.local_checkpoint_dir is not None:
+            self._check_local_dir()
         if self.disable is not None and not isinstance(self.disable, tuple):
             object.__setattr__(self, "disable", tuple(self.disable))
         metrics = self.summary_metrics
@@ -247,6 +263,18 @@ class Config:
             object.__setattr__(self, "summary_metrics", (metrics,))
         elif metrics is not None and not isinstance(metrics, tuple):
             object.__setattr__(self, "summary_metrics", tuple(metrics))
+
+    def _check_local_dir(self) -> None:
+        from loopkit.storage import normalise
+
+        local = normalise(self.local_checkpoint_dir, "Config.local_checkpoint_dir")
+        logdir = self.logdir_path
+        if logdir is None:
+            raise ValueError(f"Config.local_checkpoint_dir={self.local_checkpoint_dir!r} "
+                             "needs Config.logdir (the durable tier) as well")
+        if local == logdir:
+            raise ValueError(f"Config.local_checkpoint_dir={self.local_checkpoint_dir!r} is "
+                             "Config.logdir: expected a directory of its own for the local tier")
 
     @property
     def logdir_path(self) -> Path | str | None:

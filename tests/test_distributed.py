@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -13,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+import loopkit
 
 WORKER = Path(__file__).parent / "workers" / "distributed_worker.py"
 TIMEOUT = 150  # a deadlock fails the test instead of hanging CI
@@ -306,3 +309,21 @@ def test_two_runners_survive_a_sigkill_of_one_child_and_finish_bitwise(tmp_path)
         a, b = load(ref / f"p{i}.npz"), load(run / f"p{i}.npz")
         np.testing.assert_array_equal(a["w"], b["w"])
         np.testing.assert_array_equal(a["b"], b["b"])
+def test_two_processes_with_local_tiers_resume_together_from_the_durable_tier(tmp_path):
+    """Many processes do not write the local tier yet (a warning says so): a job whose
+    local tiers are wiped or never written resumes from the durable step, bitwise."""
+    full, half, local = tmp_path / "full", tmp_path / "half", tmp_path / "local"
+    for d in (full, half):
+        d.mkdir()
+    finish(start(full, full, 2, 30, "--save-steps", "10"))
+    outs = finish(start(half, half, 2, 25, "--save-steps", "10", "--local-dir", str(local)))
+    assert all("local_checkpoint_dir" in err and "not used with 2 processes" in err
+               for _, _, err in outs)
+    assert not any(local.glob("p*/model.ckpt-*"))
+    assert loopkit.latest_checkpoint(half)[0] == 25
+    shutil.rmtree(local, ignore_errors=True)  # one machine lost: its local tier gone
+    procs = start(half, half, 2, 30, "--save-steps", "10", "--local-dir", str(local))
+    outs = finish(procs)
+    assert all("READY 25" in out and "RESULT 30 max_steps" in out for _, out, _ in outs)
+    for k in ("w", "b"):
+        np.testing.assert_array_equal(load(full / "p0.npz")[k], load(half / "p0.npz")[k])

@@ -2,11 +2,13 @@
 
 Where each part lives (docs/architecture.md draws the flows):
 
-- `plugin`: the plugin registered as ``"checkpoint"``: its timer, the save in flight
-  and its commit thread, the final save, the order of recovery; the built-in
-  backends' names (`checkpoint_backend` hook).
+- `plugin`: the plugin registered as ``"checkpoint"``: its timers (durable and
+  local tier), the final save, the order of recovery, the tier restored from
+  (`RESTORED_TIER`); the built-in backends' names (`checkpoint_backend` hook).
+- `tier`: one tier's directory, backend, ledger and save in flight (its commit
+  thread); one staging shared by both tiers' saves at a step.
 - `recovery`: the newest checkpoint that can be read at start-up, on one process
-  or agreed by all.
+  or agreed by all; the local tier's, when newer than the durable tier's.
 - `tf_file`: the tf ``checkpoint`` text file, checkpoint names, the recorded
   backend name; `retention`: what the file lists and what is deleted;
   `position`: the input position as JSON; `replicas`: host-local replicas
@@ -32,11 +34,14 @@ from loopkit.plugins.checkpoint.helpers import (
 )
 from loopkit.plugins.checkpoint.io_tuning import checkpoint_io_tuning
 # (`plugin` below is the function the plugin manager calls, not the module of that name)
-from loopkit.plugins.checkpoint.plugin import BUILTIN_BACKENDS, INACTIVE, CheckpointPlugin, plugin
+from loopkit.plugins.checkpoint.plugin import (
+    BUILTIN_BACKENDS, INACTIVE, RESTORED_TIER, CheckpointPlugin, plugin,
+)
 
 __all__ = [
     "BUILTIN_BACKENDS",
     "INACTIVE",
+    "RESTORED_TIER",
     "CheckpointPlugin",
     "checkpoint_io_tuning",
     "checkpoints_iterator",

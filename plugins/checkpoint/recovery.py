@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from loopkit.checkpoint import CheckpointBackend
     from loopkit.plugins.checkpoint.retention import Ledger
 
-__all__ = ["Found", "find_restorable", "read_checkpoint"]
+__all__ = ["Found", "durable_best", "find_local", "find_restorable", "read_checkpoint"]
 
 log = logging.getLogger("loopkit")
 
@@ -70,8 +70,48 @@ def find_restorable(backend: CheckpointBackend, ledger: Ledger, state: Checkpoin
     return None
 
 
+def durable_best(ledger: Ledger, state: CheckpointState | None) -> int | None:
+    """The step the durable tier would restore first (not read: it may be corrupt)."""
+    return next((s for s in recovery_order(state, sorted(ledger.on_disk))
+                 if s in ledger.on_disk), None)
+
+
+def find_local(backend: CheckpointBackend, ledger: Ledger, state: CheckpointState | None,
+               like: PyTree, path_of: Callable[[int], str], floor: int | None) -> Found | None:
+    """The local tier's newest readable checkpoint at or after step `floor` (the
+    durable tier's best), written by as many processes as there are now; None
+    when there is none, and the durable tier is tried next.
+
+    A local checkpoint that cannot be read is skipped with a warning naming it:
+    an older one, or the durable tier, serves instead.
+    """
+    for step in recovery_order(state, sorted(ledger.on_disk)):
+        if step not in ledger.on_disk:
+            continue
+        if floor is not None and step < floor:
+            break
+        try:
+            tree, metadata = backend.restore(step, like)
+        except Exception as ex:  # noqa: BLE001 - unreadable data marks it corrupt
+            log.warning("loopkit: local checkpoint %s is unreadable, skipping it (%s: %s)",
+                        path_of(step), type(ex).__name__, ex)
+            continue
+        count = (metadata or {}).get("process_count", 1)
+        if count != jax.process_count():
+            log.warning("loopkit: local checkpoint %s was written by %s processes, this run "
+                        "has %d; restoring from the durable tier", path_of(step), count,
+                        jax.process_count())
+            return None
+        return _found(step, tree, metadata)
+    return None
+
+
 def read_checkpoint(backend: CheckpointBackend, step: int, like: PyTree) -> Found:
     tree, metadata = backend.restore(step, like)
+    return _found(step, tree, metadata)
+
+
+def _found(step: int, tree: PyTree, metadata: dict | None) -> Found:
     metadata = metadata or {}
     skipped = tuple((int(a), int(b)) for a, b in metadata.get("skipped") or ())
     return Found(step, tree, decode_position(metadata.get("data_position")),

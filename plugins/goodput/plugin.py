@@ -126,11 +126,13 @@ class GoodputPlugin:
         self._mark(session, now)
 
     def _start_record(self, session: Session, now: float, first_step: bool) -> Start:
+        from loopkit.plugins.checkpoint.plugin import RESTORED_TIER  # its key, when it ran
+
         restored = session.restored
         return Start(
             time=now, step=session.step - 1 if first_step else session.step,
             host=socket.gethostname(), pid=os.getpid(), process_start=process_start_time(),
-            tier=None if restored is None else getattr(restored, "tier", "durable"),
+            tier=None if restored is None else session.stash.get(RESTORED_TIER, "durable"),
             restore_secs=self.restore_secs,
             first_step_secs=now - self._opened if first_step else None)
 

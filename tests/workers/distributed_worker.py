@@ -2,7 +2,7 @@
 
     python distributed_worker.py LOGDIR OUT NUM_PROCESSES PROCESS_ID PORT MAX_STEPS
         [--step-sleep S] [--save-secs S] [--save-steps N] [--data-lens N0,N1,...]
-        [--host-local] [--differ] [--shard-state]
+        [--host-local] [--differ] [--shard-state] [--local-dir DIR]
 
 --host-local: the state is plain jax arrays each process holds on its own (replicas),
 fed the same batches on every process, without data_sharding; --differ seeds them
@@ -12,6 +12,7 @@ with the process index. --data-lens: process i's data ends after global step N_i
 as it is read, as tests/workers/run_worker.py does): "crash N" SIGKILLs the process
 after step N, "hang N" blocks its data reader at batch N, "ok" trains on.
 --hang-secs S: Config.hang_timeout_secs.
+--local-dir: a local checkpoint tier in DIR/p<process id>, saved every 3 steps.
 """
 
 import argparse
@@ -46,6 +47,7 @@ def main():
     p.add_argument("--plan", default=None)
     p.add_argument("--hang-secs", type=float, default=None)
     p.add_argument("--heartbeat-secs", type=int, default=100)
+    p.add_argument("--local-dir", default=None)
     args = p.parse_args()
     plan = ["ok"]
     if args.plan:
@@ -129,12 +131,15 @@ def main():
             if plan[0] == "crash" and step == int(plan[1]):
                 os.kill(os.getpid(), signal.SIGKILL)
 
+    tiers = {} if args.local_dir is None else dict(
+        local_checkpoint_dir=os.path.join(args.local_dir, f"p{args.process_id}"),
+        save_local_steps=3, save_local_secs=None)
     r = loopkit.train(step_fn, init=init, data=data,
                       data_sharding=None if args.host_local else batch_sharding,
                       logdir=args.logdir, max_steps=args.max_steps, plugins=[Pace()],
                       save_model_secs=args.save_secs, save_model_steps=args.save_steps,
                       save_summaries_steps=5, progress=False,
-                      hang_timeout_secs=args.hang_secs)
+                      hang_timeout_secs=args.hang_secs, **tiers)
     state = host(r.state)
     np.savez(args.out, w=state["w"], b=state["b"], step=r.step)
     print(f"RESULT {r.step} {r.stop_reason}", flush=True)
