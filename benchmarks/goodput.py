@@ -1,7 +1,8 @@
 """Goodput under SIGKILLs: a realistic step under `loopkit run`, with a chaos loop.
 
     python benchmarks/goodput.py [--minutes 3] [--kill-every 60] [--fixed-secs 30]
-                                 [--width 2048] [--batch 64]
+                                 [--local-secs 10] [--width 2048] [--batch 64]
+                                 [--only clean,fixed,auto,local]
 
 Variants, each ``--minutes`` long, in fresh log directories:
 
@@ -9,7 +10,9 @@ Variants, each ``--minutes`` long, in fresh log directories:
 2. chaos, the same fixed interval: the trainer is SIGKILLed at random moments
    (uniform in [0.5, 1.5] x ``--kill-every`` seconds apart) and `loopkit run`
    restarts it;
-3. chaos, ``save_model_secs="auto"``.
+3. chaos, ``save_model_secs="auto"``;
+4. chaos, the fixed interval and a local tier (``local_checkpoint_dir`` on the
+   temp dir's disk, ``save_local_secs=--local-secs``).
 
 Each ends with SIGTERM to the runner (a clean stop, the final checkpoint). The
 goodput fraction and the badput table come from the run's ledger
@@ -75,7 +78,7 @@ def make(width: int, batch: int):
     return init, step, data
 
 
-def child(logdir: str, save: str, width: int, batch: int) -> None:
+def child(logdir: str, save: str, width: int, batch: int, local: str) -> None:
     import logging
 
     import loopkit
@@ -83,8 +86,10 @@ def child(logdir: str, save: str, width: int, batch: int) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     init, step, data = make(width, batch)
     secs = save if save == "auto" else float(save)
+    tier = {} if local == "-" else dict(local_checkpoint_dir=local.split(":")[0],
+                                        save_local_secs=float(local.split(":")[1]))
     loopkit.train(step, init=init, data=data, logdir=logdir, save_model_secs=secs,
-                  save_summaries_secs=10, progress=False, max_to_keep=2)
+                  save_summaries_secs=10, progress=False, max_to_keep=2, **tier)
 
 
 def _trainer_pid(runner: subprocess.Popen) -> int | None:
@@ -98,10 +103,11 @@ def _trainer_pid(runner: subprocess.Popen) -> int | None:
 
 
 def variant(name: str, logdir: Path, save: str, args: argparse.Namespace,
-            chaos: bool) -> dict:
+            chaos: bool, local: bool = False) -> dict:
+    tier = f"{logdir.parent / (name + '-local')}:{args.local_secs}" if local else "-"
     cmd = [sys.executable, "-m", "loopkit", "run", "--backoff-secs", "1",
            "--max-restarts", "1000", "--", sys.executable, str(HERE), "--child", str(logdir),
-           save, str(args.width), str(args.batch)]
+           save, str(args.width), str(args.batch), tier]
     log = open(logdir.parent / f"{name}.log", "w")
     runner = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     rng = random.Random(args.seed)
@@ -166,18 +172,19 @@ def restart_costs(logdir: Path, args: argparse.Namespace) -> dict:
 
 def main() -> None:
     if sys.argv[1:2] == ["--child"]:
-        logdir, save, width, batch = sys.argv[2:6]
-        child(logdir, save, int(width), int(batch))
+        logdir, save, width, batch, local = sys.argv[2:7]
+        child(logdir, save, int(width), int(batch), local)
         return
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--minutes", type=float, default=3.0)
     p.add_argument("--kill-every", type=float, default=60.0)
     p.add_argument("--fixed-secs", type=float, default=30.0)
+    p.add_argument("--local-secs", type=float, default=10.0)
     p.add_argument("--width", type=int, default=2048)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--only", default="clean,fixed,auto")
+    p.add_argument("--only", default="clean,fixed,auto,local")
     args = p.parse_args()
     mib = 2 * 3 * args.width ** 2 * 4 / 2 ** 20
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; state "
@@ -185,11 +192,12 @@ def main() -> None:
           f"~{args.kill_every:.0f} s", flush=True)
     base = Path(tempfile.mkdtemp(prefix="loopkit-goodput-"))
     rows = []
-    plan = {"clean": (str(args.fixed_secs), False), "fixed": (str(args.fixed_secs), True),
-            "auto": ("auto", True)}
+    plan = {"clean": (str(args.fixed_secs), False, False),
+            "fixed": (str(args.fixed_secs), True, False),
+            "auto": ("auto", True, False), "local": (str(args.fixed_secs), True, True)}
     for name in args.only.split(","):
-        save, chaos = plan[name]
-        row = variant(name, base / name, save, args, chaos)
+        save, chaos, local = plan[name]
+        row = variant(name, base / name, save, args, chaos, local)
         rows.append(row)
         r = row["report"]
         print(f"{name}: kills {row['kills']}, sessions {r.sessions}, goodput "

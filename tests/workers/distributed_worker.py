@@ -119,10 +119,12 @@ def main():
             local = all(x.is_fully_addressable for x in jax.tree.leaves(session.state))
             print(f"READY {session.step} host_local={local}", flush=True)
             for name, x in sorted(session.state.items()):  # where each leaf now lives
-                shards = sorted({tuple(s.data.shape) for s in x.addressable_shards})
+                # from the sharding: JAX 0.10's `addressable_shards` raises for an init
+                # leaf `device_put` to a multi-process sharding (a JAX quirk, seen here)
+                shards = [tuple(x.sharding.shard_shape(x.shape))]
                 print(f"SHARDING {name} spec={tuple(getattr(x.sharding, 'spec', ()))} "
                       f"devices={len(x.sharding.device_set)} "
-                      f"local={len(x.addressable_shards)}x{shards}", flush=True)
+                      f"local={len(x.sharding.addressable_devices)}x{shards}", flush=True)
 
         @loopkit.hookimpl
         def after_step(self, step):
