@@ -99,6 +99,20 @@ def test_poisoned_callable_rolls_back_and_equals_a_clean_run(tmp_path, caplog):
     assert loopkit.latest_checkpoint(tmp_path / "a")[0] == N
 
 
+def test_a_newer_local_checkpoint_is_the_one_rolled_back_to(tmp_path):
+    # durable every 10 steps, local every 3: step 15 (bad) was saved locally before the
+    # guard saw it; the newest step before it is local 12, not durable 10
+    rec = Rollbacks()
+    local = tmp_path / "local"
+    rolled = run(tmp_path / "a", source({P}), plugins=[rec], save_model_steps=10,
+                 local_checkpoint_dir=str(local), save_local_steps=3, save_local_secs=None)
+    clean = run(tmp_path / "b", source(skip=(12, 16)), save_model_steps=10)
+    same_bits(rolled, clean)
+    (record, at), = rec.records
+    assert (record.step, record.restored_step, record.skipped, at) == (15, 12, (12, 16), 12)
+    assert loopkit.latest_checkpoint(local)[0] == 27  # saved on after it (the final: durable)
+
+
 def test_no_checkpoint_before_the_bad_step_goes_back_to_the_initial_state(tmp_path):
     rolled = run(tmp_path / "a", source({3}), save_model_steps=None)
     clean = run(tmp_path / "b", source(skip=(0, 5)), save_model_steps=None)
