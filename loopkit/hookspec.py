@@ -143,6 +143,21 @@ def checkpoint_backend_names() -> list[str]:
 
 
 @hookspec(firstresult=True)
+def can_restore(session: Session) -> bool | None:
+    """Whether `restore_state` may find a state to recover; asked once, just before it.
+
+    Return False when there is certainly nothing (no checkpoint on disk): a fresh
+    start then calls a callable ``init`` at once, instead of first tracing and
+    lowering it to learn the shardings a restore would need. True, or None (no
+    answer), means it may. A plugin that recovers a state from elsewhere in
+    `restore_state` returns True here when it will (else ``init`` may have run
+    before its restore). Stops at the first non-None result.
+
+    :param session: the `loopkit.Session` (its state is not set yet).
+    """
+
+
+@hookspec(firstresult=True)
 def restore_state(session: Session, like: PyTree) -> Restored | None:
     """Recover the training state from the latest checkpoint, if there is one.
 

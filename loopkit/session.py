@@ -322,8 +322,13 @@ class Session:
             self._lock.acquire()
         self._uncache = use_compilation_cache(self.config.compilation_cache, self.logdir)
         # A callable init is traced (and lowered where shardings matter), not run;
-        # built is init() run for real, once, when it could not be traced.
-        like, built = trace_init(init) if callable(init) else (abstract(init), None)
+        # built is init() run for real, once: when nothing can be restored, or when
+        # it could not be traced.
+        if callable(init) and hook.can_restore(session=self) is False:
+            built = init()
+            like = abstract(built)
+        else:
+            like, built = trace_init(init) if callable(init) else (abstract(init), None)
         restored = hook.restore_state(session=self, like=like)
         if restored is not None:
             self.restored = restored

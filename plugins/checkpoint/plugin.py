@@ -160,6 +160,16 @@ class CheckpointPlugin:
     # -- recovery ----------------------------------------------------------------------
 
     @hookimpl(trylast=True)
+    def can_restore(self, session: Any) -> bool | None:
+        """False when neither tier holds a committed checkpoint (a fresh start). Many
+        processes: None, since the chief's choice is agreed in `restore_state` and
+        this process's view of a shared directory may lag the chief's."""
+        if jax.process_count() > 1:
+            return None
+        durable = self._open(session)
+        return any(t.ledger.on_disk for t in (durable, self.local) if t is not None)
+
+    @hookimpl(trylast=True)
     def restore_state(self, session: Any, like: PyTree) -> Restored | None:
         durable = self._open(session)
         # `like` as init gives it: a leaf without a sharding comes back uncommitted on

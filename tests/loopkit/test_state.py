@@ -96,6 +96,28 @@ def test_a_callable_init_runs_once_on_a_fresh_start_and_never_on_a_restore(tmp_p
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_a_fresh_start_neither_traces_nor_lowers_init(tmp_path, backend):
+    """Nothing to restore: init is called once and never traced (a trace would only
+    learn shardings for a restore); with a checkpoint it is traced, never run."""
+    bodies, runs = [], []
+
+    def init():
+        bodies.append(1)  # Python: each trace and each real call
+        jax.debug.callback(lambda: runs.append(1))
+        return {"w": jnp.zeros(3)}
+
+    def step(s):
+        return {"w": s["w"] + 1}, {}
+
+    kw = dict(logdir=tmp_path, checkpoint_backend=backend, **QUIET)
+    loopkit.train(step, init=init, max_steps=2, **kw)
+    assert (len(bodies), len(runs)) == (1, 1)
+    bodies.clear()
+    loopkit.train(step, init=init, max_steps=4, **kw)
+    assert len(bodies) >= 1 and len(runs) == 1  # traced for the restore, not run
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_an_init_that_cannot_be_traced_is_called_once_for_real(tmp_path, backend):
     calls = []
 
