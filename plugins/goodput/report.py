@@ -23,7 +23,7 @@ from loopkit.plugins.goodput.records import (
 )
 
 __all__ = ["CAUSES", "DEFAULT_MTBI_SECS", "MAX_SAVE_SECS", "FINISHED", "GoodputReport",
-           "format_report", "goodput", "summarise", "young_daly"]
+           "UNMEASURED_SAVE_SECS", "format_report", "goodput", "summarise", "young_daly"]
 
 CAUSES = ("startup", "restore", "compile", "recompute", "checkpoint", "input", "timers",
           "downtime", "hang")
@@ -33,6 +33,9 @@ DEFAULT_MTBI_SECS = 24 * 3600.0
 MAX_SAVE_SECS = 3600.0
 #: the save cost assumed until a save has been measured
 ASSUMED_SAVE_COST_SECS = 1.0
+#: the longest interval before the first measured save: a run's first save comes soon,
+#: since it measures the cost every later interval is picked from
+UNMEASURED_SAVE_SECS = 60.0
 #: stop reasons of a session that finished its work (not an interruption)
 FINISHED = ("max_steps", "data_exhausted", "requested")
 
@@ -73,12 +76,15 @@ def young_daly(save_cost_secs: float | None, mtbi_secs: float | None,
                commit_secs: float | None = None) -> float:
     """Young and Daly's interval ``sqrt(2 * save_cost * MTBI)``, within [commit time, 1 h].
 
-    An unknown cost counts as `ASSUMED_SAVE_COST_SECS`, an unknown MTBI as
-    `DEFAULT_MTBI_SECS`.
+    An unknown cost counts as `ASSUMED_SAVE_COST_SECS`, and then the interval is at most
+    `UNMEASURED_SAVE_SECS` (the first save measures the cost); an unknown MTBI counts
+    as `DEFAULT_MTBI_SECS`.
     """
     cost = ASSUMED_SAVE_COST_SECS if save_cost_secs is None else max(save_cost_secs, 1e-3)
     mtbi = DEFAULT_MTBI_SECS if mtbi_secs is None else mtbi_secs
     interval = math.sqrt(2.0 * cost * mtbi)
+    if save_cost_secs is None:
+        interval = min(interval, UNMEASURED_SAVE_SECS)
     return min(MAX_SAVE_SECS, max(interval, commit_secs or 0.0, 1.0))
 
 
