@@ -309,21 +309,47 @@ def test_two_runners_survive_a_sigkill_of_one_child_and_finish_bitwise(tmp_path)
         a, b = load(ref / f"p{i}.npz"), load(run / f"p{i}.npz")
         np.testing.assert_array_equal(a["w"], b["w"])
         np.testing.assert_array_equal(a["b"], b["b"])
-def test_two_processes_with_local_tiers_resume_together_from_the_durable_tier(tmp_path):
-    """Many processes do not write the local tier yet (a warning says so): a job whose
-    local tiers are wiped or never written resumes from the durable step, bitwise."""
-    full, half, local = tmp_path / "full", tmp_path / "half", tmp_path / "local"
-    for d in (full, half):
+def local_steps(directory):
+    """The steps a tier's `checkpoint` file lists."""
+    from loopkit.plugins.checkpoint.tf_file import read_state
+
+    state = read_state(directory)
+    return set() if state is None else {s for s, _ in state.listed}
+
+
+def test_two_processes_resume_from_their_own_local_tiers_bitwise(tmp_path):
+    """Each process keeps its own local tier (its shards of a state sharded over both,
+    in DIR/process-<i>): a job SIGKILLed after local saves newer than the durable one
+    resumes from the newest local step both hold, bitwise; with one process's local
+    tier wiped (its machine lost), both resume from the durable step, bitwise."""
+    full, run, ref, local = (tmp_path / n for n in ("full", "run", "ref", "local"))
+    for d in (full, run, ref):
         d.mkdir()
-    finish(start(full, full, 2, 30, "--save-steps", "10"))
-    outs = finish(start(half, half, 2, 25, "--save-steps", "10", "--local-dir", str(local)))
-    assert all("local_checkpoint_dir" in err and "not used with 2 processes" in err
-               for _, _, err in outs)
-    assert not any(local.glob("p*/model.ckpt-*"))
-    assert loopkit.latest_checkpoint(half)[0] == 25
-    shutil.rmtree(local, ignore_errors=True)  # one machine lost: its local tier gone
-    procs = start(half, half, 2, 30, "--save-steps", "10", "--local-dir", str(local))
-    outs = finish(procs)
-    assert all("READY 25" in out and "RESULT 30 max_steps" in out for _, out, _ in outs)
+    common = ("--save-steps", "10", "--shard-state", "--step-sleep", "0.05")
+    finish(start(full, full, 2, 30, *common, devices=2))
+    crashes = plan(run / "plan", ["crash 14", "crash 26", "ok"], ["crash 14", "crash 26", "ok"])
+    tiers = ("--local-dir", str(local), *crashes)
+
+    finish(start(run, run, 2, 30, *common, *tiers, devices=2), ok=False)  # both SIGKILLed
+    assert loopkit.latest_checkpoint(run)[0] == 10
+    held = [local_steps(local / f"process-{i}") for i in range(2)]
+    want = max(held[0] & held[1])
+    assert want > 10, held  # every 3 steps: 12 committed before the kill at 14
+    outs = finish(start(run, run, 2, 30, *common, *tiers, devices=2), ok=False)
+    assert all(f"READY {want} " in out and "TIER local" in out for _, out, _ in outs), outs
+    assert all("SHARDING w spec=('data',) devices=4 local=2x[(2,)]" in out for _, out, _ in outs)
+    restored = load(str(run / "p0.npz") + ".ready.npz")  # what it resumed from
+    finish(start(ref, ref, 2, want, *common, devices=2))
+    for k in ("w", "b"):  # the two local tiers' shards together: the state at that step
+        np.testing.assert_array_equal(load(ref / "p0.npz")[k], restored[k])
+
+    # killed after step 26: durable 20, local 24; one machine lost with its local tier
+    assert loopkit.latest_checkpoint(run)[0] == 20
+    assert max(local_steps(local / "process-0")) > 20
+    shutil.rmtree(local / "process-1")
+    outs = finish(start(run, run, 2, 30, *common, *tiers, devices=2))
+    assert all("READY 20 " in out and "TIER durable" in out and "RESULT 30 max_steps" in out
+               for _, out, _ in outs), outs
     for k in ("w", "b"):
-        np.testing.assert_array_equal(load(full / "p0.npz")[k], load(half / "p0.npz")[k])
+        np.testing.assert_array_equal(load(full / "p0.npz")[k], load(run / "p0.npz")[k])
+

@@ -17,8 +17,11 @@ With `Config.local_checkpoint_dir`, a second `tier.Tier` on its own timer
 and retention (`max_to_keep_local`). A local save due at a durable save's step starts
 from that save's staging. Recovery restores the local tier's newest readable
 checkpoint when it is at least as new as the durable tier's (`recovery.find_local`);
-`RESTORED_TIER` says which tier served. With many processes the local tier is not
-written yet (a warning says so).
+`RESTORED_TIER` says which tier served. With many processes (the orbax backend) each
+process keeps its own local tier in ``<local_checkpoint_dir>/process-<i>``: the shards
+it holds and its host-local leaves, written without waiting for the others; recovery
+restores the newest step every process holds there (`recovery.common_steps`), else
+the durable tier.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from loopkit.pytree import abstract, check_storable, conform
 from loopkit.stash import StashKey
 from loopkit.plugins.checkpoint.position import encode_position
 from loopkit.plugins.checkpoint.recovery import (
-    durable_best, find_local, find_restorable, read_checkpoint,
+    common_steps, durable_best, find_local, find_restorable, read_checkpoint,
 )
 from loopkit.plugins.checkpoint.replicas import agree_to_save, host_copies
 from loopkit.plugins.checkpoint.retention import Ledger
@@ -114,8 +117,11 @@ class CheckpointPlugin:
         # under a URL: staged on local disk, uploaded when committed
         return local_or_staged(directory, basename, lambda d: make(d, basename, config))
 
-    def _tier(self, session: Any, kind: str, directory: Path | str) -> Tier:
-        """Build one tier's backend (a second instance for the local tier) and ledger."""
+    def _tier(self, session: Any, kind: str, directory: Path | str,
+              process_local: bool = False) -> Tier:
+        """Build one tier's backend (a second instance for the local tier) and ledger.
+
+        `process_local`: this process's own orbax checkpoints (a job of many processes)."""
         spec, config = self.config.checkpoint_backend, self.config
         storage.makedirs(directory)
         if kind == "local":
@@ -125,7 +131,12 @@ class CheckpointPlugin:
                     f"(a second backend is built for the local tier); got the instance {spec!r}")
             config = config.replace(max_to_keep=config.max_to_keep_local,
                                     keep_checkpoint_every_n_hours=None)
-        if isinstance(spec, str):
+        if process_local:
+            from loopkit.plugins.checkpoint.backends.orbax import OrbaxBackend
+
+            backend = OrbaxBackend(directory, config.checkpoint_basename, self.config,
+                                   process_local=True)
+        elif isinstance(spec, str):
             backend = session.hook.checkpoint_backend(name=spec, directory=directory,
                                                       config=self.config)
             if backend is None:
@@ -146,15 +157,23 @@ class CheckpointPlugin:
         if self.durable is None:
             self.durable = self._tier(session, "durable", session.logdir)
             local = self.config.local_checkpoint_dir
-            if local is not None and jax.process_count() > 1:
+            if local is None:
+                return self.durable
+            local = storage.normalise(local, "Config.local_checkpoint_dir")
+            if jax.process_count() == 1:
+                self.local = self._tier(session, "local", local)
+            elif self.config.checkpoint_backend == "orbax":
+                # each process its own tier, in its own directory (one path in every
+                # process's Config, also when several share a machine)
+                self.local = self._tier(session, "local", storage.join(
+                    local, f"process-{jax.process_index()}"), process_local=True)
+            else:
                 log.warning(
                     "loopkit: Config.local_checkpoint_dir=%r is not used with %d processes "
-                    "(the backends write one checkpoint of all processes, not a process's "
-                    "own shards); checkpoints go to the durable tier only",
-                    local, jax.process_count())
-            elif local is not None:
-                self.local = self._tier(
-                    session, "local", storage.normalise(local, "Config.local_checkpoint_dir"))
+                    "and Config.checkpoint_backend=%r: a process's own shards are kept by "
+                    "the 'orbax' backend only; checkpoints go to the durable tier only",
+                    self.config.local_checkpoint_dir, jax.process_count(),
+                    self.config.checkpoint_backend)
         return self.durable
 
     # -- recovery ----------------------------------------------------------------------
@@ -211,16 +230,21 @@ class CheckpointPlugin:
             if t.commit is not None:
                 raise CheckpointError(f"the checkpoint save {t.path(t.commit.step)} "
                                       "never committed; cannot roll back past it")
-        # the newest step before the bad one, from the local tier on a tie (faster)
-        candidates = [(s, t) for t in tiers for s in t.ledger.on_disk if s < before_step]
+        # the newest step before the bad one, from the local tier on a tie (faster);
+        # many processes: a local step every process holds, and the chief's choice
+        held = {t: t.ledger.on_disk for t in tiers}
+        if jax.process_count() > 1 and self.local is not None:
+            held[self.local] = set(common_steps(self.local.ledger.on_disk))
+        candidates = [(s, t) for t in tiers for s in held[t] if s < before_step]
         step, tier = max(candidates, key=lambda c: (c[0], c[1] is self.local),
                          default=(-1, None))
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
             import numpy as np
 
-            step = int(multihost_utils.broadcast_one_to_all(np.asarray(step, np.int32)))
-            tier = durable  # many processes keep no local tier
+            step, local = (int(x) for x in multihost_utils.broadcast_one_to_all(
+                np.asarray([step, tier is not None and tier is self.local], np.int32)))
+            tier = self.local if local else durable
         for t in tiers:
             for doomed in sorted((s for s in t.ledger.on_disk if s >= before_step), reverse=True):
                 log.warning("loopkit: deleting %s: it holds a step after the bad step %d",

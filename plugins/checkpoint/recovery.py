@@ -23,7 +23,8 @@ if TYPE_CHECKING:
     from loopkit.checkpoint import CheckpointBackend
     from loopkit.plugins.checkpoint.retention import Ledger
 
-__all__ = ["Found", "durable_best", "find_local", "find_restorable", "read_checkpoint"]
+__all__ = ["Found", "common_steps", "durable_best", "find_local", "find_restorable",
+           "read_checkpoint"]
 
 log = logging.getLogger("loopkit")
 
@@ -83,8 +84,11 @@ def find_local(backend: CheckpointBackend, ledger: Ledger, state: CheckpointStat
     when there is none, and the durable tier is tried next.
 
     A local checkpoint that cannot be read is skipped with a warning naming it:
-    an older one, or the durable tier, serves instead.
+    an older one, or the durable tier, serves instead. Many processes (each with
+    its own local tier): the newest step that every process holds and reads.
     """
+    if jax.process_count() > 1:
+        return _agreed_local(backend, ledger, like, path_of, floor)
     for step in recovery_order(state, sorted(ledger.on_disk)):
         if step not in ledger.on_disk:
             continue
@@ -103,6 +107,61 @@ def find_local(backend: CheckpointBackend, ledger: Ledger, state: CheckpointStat
                         jax.process_count())
             return None
         return _found(step, tree, metadata)
+    return None
+
+
+#: how many of its newest local steps each process offers when they look for a common one
+COMPARED_STEPS = 64
+
+
+def common_steps(steps: set[int]) -> list[int]:
+    """Many processes: the steps in every process's `steps`, newest first (a collective:
+    every process calls it, each with its own local tier's steps)."""
+    from jax.experimental import multihost_utils
+
+    mine = sorted(steps, reverse=True)[:COMPARED_STEPS]
+    row = np.full((COMPARED_STEPS,), -1, np.int32)
+    row[:len(mine)] = mine
+    rows = np.asarray(multihost_utils.process_allgather(row)).reshape(-1, COMPARED_STEPS)
+    common = set.intersection(*(set(r.tolist()) for r in rows))
+    return sorted((s for s in common if s >= 0), reverse=True)
+
+
+def _agreed_local(backend: CheckpointBackend, ledger: Ledger, like: PyTree,
+                  path_of: Callable[[int], str], floor: int | None) -> Found | None:
+    """Many processes: the newest step every process holds in its local tier, at or
+    after the chief's `floor`, restored by every process from its own; None (the
+    durable tier) when there is none, or when the local tiers were written by
+    another number of processes."""
+    from jax.experimental import multihost_utils
+
+    floor = int(multihost_utils.broadcast_one_to_all(
+        np.asarray(-1 if floor is None else floor, np.int32)))
+    for step in common_steps(ledger.on_disk):
+        if step < floor:
+            break
+        found, code = None, 0  # 0: unreadable here, 1: restored, 2: another job's layout
+        try:
+            tree, metadata = backend.restore(step, like)
+            count = (metadata or {}).get("process_count", 1)
+            if count == jax.process_count():
+                found, code = _found(step, tree, metadata), 1
+            else:
+                code = 2
+                log.warning("loopkit: local checkpoint %s was written by %s processes, "
+                            "this run has %d", path_of(step), count, jax.process_count())
+        except Exception as ex:  # noqa: BLE001 - unreadable data: agree on it below
+            log.warning("loopkit: local checkpoint %s is unreadable on process %d (%s: %s)",
+                        path_of(step), jax.process_index(), type(ex).__name__, ex)
+        codes = np.asarray(multihost_utils.process_allgather(np.asarray(code, np.int32)))
+        if np.all(codes == 1):
+            return found
+        if np.any(codes == 2):
+            break
+        log.warning("loopkit: local checkpoint %s could not be restored on every process; "
+                    "trying an older one", path_of(step))
+    log.info("loopkit: no local checkpoint every process holds; restoring from the "
+             "durable tier")
     return None
 
 

@@ -12,7 +12,8 @@ with the process index. --data-lens: process i's data ends after global step N_i
 as it is read, as tests/workers/run_worker.py does): "crash N" SIGKILLs the process
 after step N, "hang N" blocks its data reader at batch N, "ok" trains on.
 --hang-secs S: Config.hang_timeout_secs.
---local-dir: a local checkpoint tier in DIR/p<process id>, saved every 3 steps.
+--local-dir: a local checkpoint tier in DIR (each process's in DIR/process-<id>), saved
+every 3 steps.
 """
 
 import argparse
@@ -69,6 +70,7 @@ def main():
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     import loopkit
+    from loopkit.plugins.checkpoint import RESTORED_TIER
 
     mesh = jax.make_mesh((jax.device_count(),), ("data",))
     replicated = NamedSharding(mesh, P())
@@ -118,6 +120,7 @@ def main():
             np.savez(args.out + ".ready.npz", **host(session.state))  # what it started from
             local = all(x.is_fully_addressable for x in jax.tree.leaves(session.state))
             print(f"READY {session.step} host_local={local}", flush=True)
+            print(f"TIER {session.stash.get(RESTORED_TIER)}", flush=True)
             for name, x in sorted(session.state.items()):  # where each leaf now lives
                 # from the sharding: JAX 0.10's `addressable_shards` raises for an init
                 # leaf `device_put` to a multi-process sharding (a JAX quirk, seen here)
@@ -134,7 +137,7 @@ def main():
                 os.kill(os.getpid(), signal.SIGKILL)
 
     tiers = {} if args.local_dir is None else dict(
-        local_checkpoint_dir=os.path.join(args.local_dir, f"p{args.process_id}"),
+        local_checkpoint_dir=args.local_dir,
         save_local_steps=3, save_local_secs=None)
     r = loopkit.train(step_fn, init=init, data=data,
                       data_sharding=None if args.host_local else batch_sharding,

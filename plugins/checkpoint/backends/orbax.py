@@ -98,14 +98,19 @@ class OrbaxBackend:
     `PyTreeCheckpointHandler`; the defaults are the fastest measured here
     (benchmarks/README.md, "Checkpoint I/O"). ``restore_concurrent_gb`` bounds orbax's
     reads of arrays spread over processes; arrays a process reads whole go straight
-    into their own buffers (`orbax_read.read_direct`).
+    into their own buffers (`orbax_read.read_direct`). ``process_local``: in a job of
+    many processes, this process's own checkpoints in a directory of its own (the
+    shards it holds, its host-local leaves), written and read without waiting for
+    the others (the local tier; orbax's emergency checkpointing writes its local
+    checkpoints the same way).
     """
 
     def __init__(self, directory: str | os.PathLike[str], basename: str = "model.ckpt",
                  config: Config | None = None, *, use_ocdbt: bool = True,
                  use_zarr3: bool = True, use_compression: bool = False,
                  save_concurrent_gb: int | None = None,
-                 restore_concurrent_gb: int | None = None) -> None:
+                 restore_concurrent_gb: int | None = None,
+                 process_local: bool = False) -> None:
         import orbax.checkpoint as ocp
 
         refuse_url(directory, type(self).__name__)
@@ -118,15 +123,24 @@ class OrbaxBackend:
             r"\.?" + re.escape(basename) + r"-[0-9]+(" + re.escape(_TMP_SUFFIX) + r".*|"
             + re.escape(_STAGING) + r".*|\.replaced)")
         self._saves = 0  # names each save's publish barrier (the same on every process)
-        self._processes = set(range(jax.process_count()))
-
-        # Barriers through the jax.distributed client, not orbax's default device
-        # collectives: the save runs in a background thread, and a device collective
-        # there would interleave with the training step's own collectives in a
-        # different order on each process (gloo aborts: "collective mismatch").
-        multiprocessing = ocp.options.MultiprocessingOptions(
-            active_processes=set(range(jax.process_count())) if jax.process_count() > 1
-            else None)
+        many = jax.process_count() > 1
+        if process_local and many:
+            # This process's own checkpoints in a directory of its own (the local tier
+            # of a job of many processes): every process is the primary of its own
+            # save, writes every shard it holds, and waits for no other.
+            me = jax.process_index()
+            self._processes = {me}
+            multiprocessing = ocp.options.MultiprocessingOptions(
+                primary_host=None, active_processes={me},
+                barrier_sync_key_prefix=f"loopkit-local-{me}")
+        else:
+            # Barriers through the jax.distributed client, not orbax's default device
+            # collectives: the save runs in a background thread, and a device collective
+            # there would interleave with the training step's own collectives in a
+            # different order on each process (gloo aborts: "collective mismatch").
+            self._processes = set(range(jax.process_count()))
+            multiprocessing = ocp.options.MultiprocessingOptions(
+                active_processes=self._processes if many else None)
 
         options = dict(use_ocdbt=use_ocdbt, use_zarr3=use_zarr3, use_compression=use_compression,
                        save_concurrent_gb=save_concurrent_gb,
@@ -141,7 +155,7 @@ class OrbaxBackend:
         self._writer = Saver(**options)
         self._saver = checkpointer(self._writer.handler)
         self._reader = checkpointer(ocp.PyTreeCheckpointHandler(**options))  # caller's thread
-        self._primary = ocp.multihost.is_primary_host(0)
+        self._primary = multiprocessing.primary_host is None or ocp.multihost.is_primary_host(0)
         self._thread: threading.Thread | None = None
         self._pending: int | None = None  # the step of the save in flight
         self._error: BaseException | None = None

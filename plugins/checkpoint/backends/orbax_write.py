@@ -56,12 +56,20 @@ class Saver:
                              f"not {primary}")
         self._writes = _Writes()
         th = ocp.type_handlers
+        handlers = {t: th.get_type_handler(t)
+                    for t in (int, float, bytes, np.number, jax.Array, str)}
+        if primary is None:
+            # Process-local checkpoints (every process the primary of its own directory,
+            # as orbax's emergency checkpointing writes its local ones): a process writes
+            # every shard it holds, not only those of replica 0, and its numpy arrays.
+            handlers[jax.Array] = th.ArrayHandler(primary_host=None, replica_id=None,
+                                                  use_replica_parallel=False)
         # The save thread owns the arrays it hands to orbax (numpy leaves were copied
         # by the backend's `save`; the rest are views of immutable jax arrays), so
         # orbax's defensive copy is off: it would only double a save's memory.
         registry = th.create_type_handler_registry(
-            *[(t, th.get_type_handler(t)) for t in (int, float, bytes, np.number, jax.Array, str)],
-            (np.ndarray, _numpy_handler_class()(self._writes)))
+            *handlers.items(),
+            (np.ndarray, _numpy_handler_class()(self._writes, every_process=primary is None)))
         handler_class, self._args = _pytree_handler_class()
         self.handler = handler_class(self._writes, type_handler_registry=registry, **options)
 
@@ -166,9 +174,10 @@ def _numpy_handler_class() -> type:
         coroutine, as `TypeHandler.serialize` asks of a handler that writes.
         """
 
-        def __init__(self, writes: _Writes) -> None:
+        def __init__(self, writes: _Writes, every_process: bool = False) -> None:
             self.numpy = ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False)
             self.writes = writes
+            self.every_process = every_process  # else process 0 alone writes them
 
         def typestr(self) -> str:
             return self.numpy.typestr()  # "np.ndarray": orbax's own handler reads them
@@ -188,18 +197,20 @@ def _numpy_handler_class() -> type:
                 raise ValueError(f"{len(values)} values, {len(infos)} infos and {len(args)} "
                                  f"save args: orbax gives a handler as many of each")
             return [ocp.future.CommitFutureAwaitingContractedSignals(
-                _write_batch(self.writes, generation, values, infos, args),
+                _write_batch(self.writes, generation, values, infos, args,
+                             self.every_process),
                 name="loopkit_np_batch")]
 
     return BatchedNumpyHandler
 
 
 async def _write_batch(writes: _Writes, generation: int, values: Sequence[np.ndarray],
-                       infos: Sequence[Any], args: Sequence[Any]) -> None:
+                       infos: Sequence[Any], args: Sequence[Any],
+                       every_process: bool = False) -> None:
     """Start every write of a handler's batch; return once all are under way."""
     import orbax.checkpoint as ocp
 
-    if ocp.multihost.process_index() != 0:
+    if not every_process and ocp.multihost.process_index() != 0:
         return  # as orbax's: numpy arrays are the same on every process
     # orbax gives one handler's arrays one parent directory (ParamInfo's contract)
     await infos[0].await_path_creation()
