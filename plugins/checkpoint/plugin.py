@@ -196,13 +196,16 @@ class CheckpointPlugin:
         # program (and a restart finds it in the persistent compilation cache)
         found, tier = None, self.local
         if tier is not None:
-            found = find_local(tier.backend, tier.ledger, tier.file, like, tier.path,
-                               durable_best(durable.ledger, durable.file))
+            found = find_local(tier.backend, frozenset(tier.ledger.on_disk), tier.file, like,
+                               tier.path, durable_best(durable.ledger.on_disk, durable.file))
         if found is None:
             tier = durable
-            found = find_restorable(durable.backend, durable.ledger, durable.file, like,
-                                    durable.path, self.config.recovery_wait_secs)
+            found = find_restorable(durable.backend, frozenset(durable.ledger.on_disk),
+                                    durable.ledger.logdir, durable.file, like, durable.path,
+                                    self.config.recovery_wait_secs)
         step = None if found is None else found.step
+        if found is not None:  # committed (a lagging view of a shared directory saw it late)
+            tier.ledger.on_disk.add(found.step)
         durable.ledger.adopt(step, durable.file)
         if self.local is not None:
             self.local.ledger.adopt(step, self.local.file)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Collection, NamedTuple
 
 import jax
 import numpy as np
@@ -21,7 +22,6 @@ from loopkit.plugins.checkpoint.tf_file import CheckpointState, recovery_order
 
 if TYPE_CHECKING:
     from loopkit.checkpoint import CheckpointBackend
-    from loopkit.plugins.checkpoint.retention import Ledger
 
 __all__ = ["Found", "common_steps", "durable_best", "find_local", "find_restorable",
            "read_checkpoint"]
@@ -41,17 +41,18 @@ class Found(NamedTuple):
     skipped: tuple[tuple[int, int], ...] = ()
 
 
-def find_restorable(backend: CheckpointBackend, ledger: Ledger, state: CheckpointState | None,
-                    like: PyTree, path_of: Callable[[int], str],
+def find_restorable(backend: CheckpointBackend, steps: Collection[int], logdir: Path | str,
+                    state: CheckpointState | None, like: PyTree, path_of: Callable[[int], str],
                     recovery_wait_secs: float) -> Found | None:
-    """The newest readable checkpoint, placed like `like`; None when there is none."""
+    """The newest readable checkpoint of the committed `steps` in `logdir`, placed like
+    `like`; None when there is none."""
     if jax.process_count() > 1:
-        return _agreed(backend, ledger, state, like, path_of, recovery_wait_secs)
+        return _agreed(backend, steps, logdir, state, like, path_of, recovery_wait_secs)
     failures: list[tuple[int, BaseException]] = []
-    for step in recovery_order(state, sorted(ledger.on_disk)):
-        if step not in ledger.on_disk:
+    for step in recovery_order(state, sorted(steps)):
+        if step not in steps:
             log.warning("loopkit: %s/checkpoint names %s, which is not a committed "
-                        "checkpoint; trying the next older one", ledger.logdir, path_of(step))
+                        "checkpoint; trying the next older one", logdir, path_of(step))
             continue
         try:
             return read_checkpoint(backend, step, like)
@@ -62,22 +63,21 @@ def find_restorable(backend: CheckpointBackend, ledger: Ledger, state: Checkpoin
     if failures:
         details = "; ".join(f"{path_of(s)}: {type(e).__name__}: {e}" for s, e in failures)
         raise CheckpointError(
-            f"checkpoints exist in {ledger.logdir} but none can be restored ({details}). "
+            f"checkpoints exist in {logdir} but none can be restored ({details}). "
             "Not starting fresh: move them away to start over."
         ) from failures[0][1]
     if state is not None and state.latest is not None:
         log.warning("loopkit: %s/checkpoint names checkpoints but none exists; "
-                    "starting fresh", ledger.logdir)
+                    "starting fresh", logdir)
     return None
 
 
-def durable_best(ledger: Ledger, state: CheckpointState | None) -> int | None:
+def durable_best(steps: Collection[int], state: CheckpointState | None) -> int | None:
     """The step the durable tier would restore first (not read: it may be corrupt)."""
-    return next((s for s in recovery_order(state, sorted(ledger.on_disk))
-                 if s in ledger.on_disk), None)
+    return next((s for s in recovery_order(state, sorted(steps)) if s in steps), None)
 
 
-def find_local(backend: CheckpointBackend, ledger: Ledger, state: CheckpointState | None,
+def find_local(backend: CheckpointBackend, steps: Collection[int], state: CheckpointState | None,
                like: PyTree, path_of: Callable[[int], str], floor: int | None) -> Found | None:
     """The local tier's newest readable checkpoint at or after step `floor` (the
     durable tier's best), written by as many processes as there are now; None
@@ -88,9 +88,9 @@ def find_local(backend: CheckpointBackend, ledger: Ledger, state: CheckpointStat
     its own local tier): the newest step that every process holds and reads.
     """
     if jax.process_count() > 1:
-        return _agreed_local(backend, ledger, like, path_of, floor)
-    for step in recovery_order(state, sorted(ledger.on_disk)):
-        if step not in ledger.on_disk:
+        return _agreed_local(backend, steps, like, path_of, floor)
+    for step in recovery_order(state, sorted(steps)):
+        if step not in steps:
             continue
         if floor is not None and step < floor:
             break
@@ -114,7 +114,7 @@ def find_local(backend: CheckpointBackend, ledger: Ledger, state: CheckpointStat
 COMPARED_STEPS = 64
 
 
-def common_steps(steps: set[int]) -> list[int]:
+def common_steps(steps: Collection[int]) -> list[int]:
     """Many processes: the steps in every process's `steps`, newest first (a collective:
     every process calls it, each with its own local tier's steps)."""
     from jax.experimental import multihost_utils
@@ -127,7 +127,7 @@ def common_steps(steps: set[int]) -> list[int]:
     return sorted((s for s in common if s >= 0), reverse=True)
 
 
-def _agreed_local(backend: CheckpointBackend, ledger: Ledger, like: PyTree,
+def _agreed_local(backend: CheckpointBackend, steps: Collection[int], like: PyTree,
                   path_of: Callable[[int], str], floor: int | None) -> Found | None:
     """Many processes: the newest step every process holds in its local tier, at or
     after the chief's `floor`, restored by every process from its own; None (the
@@ -137,7 +137,7 @@ def _agreed_local(backend: CheckpointBackend, ledger: Ledger, like: PyTree,
 
     floor = int(multihost_utils.broadcast_one_to_all(
         np.asarray(-1 if floor is None else floor, np.int32)))
-    for step in common_steps(ledger.on_disk):
+    for step in common_steps(steps):
         if step < floor:
             break
         found, code = None, 0  # 0: unreadable here, 1: restored, 2: another job's layout
@@ -177,8 +177,8 @@ def _found(step: int, tree: PyTree, metadata: dict | None) -> Found:
                  metadata.get("consumed"), skipped)
 
 
-def _agreed(backend: CheckpointBackend, ledger: Ledger, state: CheckpointState | None,
-            like: PyTree, path_of: Callable[[int], str],
+def _agreed(backend: CheckpointBackend, steps: Collection[int], logdir: Path | str,
+            state: CheckpointState | None, like: PyTree, path_of: Callable[[int], str],
             recovery_wait_secs: float) -> Found | None:
     """Many processes: all restore the step the chief chose, or all start fresh.
 
@@ -190,18 +190,18 @@ def _agreed(backend: CheckpointBackend, ledger: Ledger, state: CheckpointState |
     """
     from jax.experimental import multihost_utils
 
-    order = recovery_order(state, sorted(ledger.on_disk)) if jax.process_index() == 0 else []
+    order = recovery_order(state, sorted(steps)) if jax.process_index() == 0 else []
     tried: set[int] = set()
     failures: list[tuple[int, BaseException]] = []
     while True:
-        mine = next((s for s in order if s not in tried and s in ledger.on_disk), -1)
+        mine = next((s for s in order if s not in tried and s in steps), -1)
         step = int(multihost_utils.broadcast_one_to_all(np.asarray(mine, np.int32)))
         if step < 0:
             break
         tried.add(step)
         found: Found | None = None
         try:
-            _wait_until_visible(backend, ledger, step, path_of, recovery_wait_secs)
+            steps = _wait_until_visible(backend, steps, step, path_of, recovery_wait_secs)
             found = read_checkpoint(backend, step, like)
         except Exception as ex:  # noqa: BLE001 - unreadable here: agree on it below
             log.warning("loopkit: checkpoint %s is unreadable on process %d (%s: %s)",
@@ -209,28 +209,29 @@ def _agreed(backend: CheckpointBackend, ledger: Ledger, state: CheckpointState |
             failures.append((step, ex))
         ok = multihost_utils.process_allgather(np.asarray(found is not None, np.int32))
         if np.all(np.asarray(ok)):
-            ledger.on_disk.add(step)
             return found
         log.warning("loopkit: checkpoint %s could not be restored on every process; "
                     "trying the chief's next candidate", path_of(step))
     if tried:
         raise CheckpointError(
-            f"checkpoints exist in {ledger.logdir} but none could be restored on every "
+            f"checkpoints exist in {logdir} but none could be restored on every "
             f"process (tried steps {sorted(tried)})"
         ) from (failures[0][1] if failures else None)
     return None
 
 
-def _wait_until_visible(backend: CheckpointBackend, ledger: Ledger, step: int,
-                        path_of: Callable[[int], str], recovery_wait_secs: float) -> None:
-    """Poll every `recovery_wait_secs` until `step` is committed in this process's view."""
+def _wait_until_visible(backend: CheckpointBackend, steps: Collection[int], step: int,
+                        path_of: Callable[[int], str],
+                        recovery_wait_secs: float) -> Collection[int]:
+    """Poll every `recovery_wait_secs` until `step` is committed in this process's view;
+    the committed steps then seen."""
     poll = max(0.05, float(recovery_wait_secs))
     bound = max(60.0, 10 * poll)
     deadline = time.monotonic() + bound
-    while step not in ledger.on_disk:
-        ledger.on_disk = set(backend.steps())
-        if step in ledger.on_disk:
-            return
+    while step not in steps:
+        steps = set(backend.steps())
+        if step in steps:
+            break
         if time.monotonic() > deadline:
             raise FileNotFoundError(
                 f"checkpoint {path_of(step)} chosen by the chief did not appear here "
@@ -238,3 +239,4 @@ def _wait_until_visible(backend: CheckpointBackend, ledger: Ledger, step: int,
         log.info("loopkit: waiting for %s to appear (recovery_wait_secs=%s)",
                  path_of(step), recovery_wait_secs)
         time.sleep(poll)
+    return steps
