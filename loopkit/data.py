@@ -5,9 +5,9 @@ from __future__ import annotations
 import collections
 import copy
 import logging
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
-__all__ = ["Input", "Lookahead", "make_input", "snapshot_state"]
+__all__ = ["Input", "Lookahead", "Reader", "make_input", "snapshot_state"]
 
 log = logging.getLogger("loopkit")
 
@@ -23,12 +23,24 @@ def is_stateful(obj: Any) -> bool:
     return callable(getattr(obj, "get_state", None)) and callable(getattr(obj, "set_state", None))
 
 
+class Reader(NamedTuple):
+    """How the loop reads an `Input`: what an `input_reader` hook returns.
+
+    `batches` is what the loop consumes; `position(step)` is the input position
+    after the batch of global step `step` (None: the source's own, read from it).
+    """
+
+    batches: Iterator[Any]
+    position: Callable[[int], Any] | None = None
+
+
 class Input:
     """What the loop reads batches from, and where the input stands for a checkpoint.
 
     `source` is the raw iterator of the user's data. `iterator` is what the loop
-    consumes: `source` itself, or a prefetching iterator the `prefetch` plugin
-    puts in its place (it then also replaces `position`).
+    consumes: `source` itself (or its batches placed with `Config.data_sharding`),
+    or the batches of the `Reader` the session opened it with (`read_with`: the
+    `input_reader` hook's, e.g. the `prefetch` plugin's threads).
     """
 
     def __init__(self, source: Iterator[Any], kind: str, start_step: int,
@@ -37,20 +49,41 @@ class Input:
         self.kind = kind  # "iterable" | "callable" | "stateful"
         #: batches the source had consumed when it was opened (`data(start_step)`)
         self.start_step = start_step
-        self.iterator: Iterator[Any] = source
-        self.position: Callable[[int], Any] = self._position
+        self._reader = Reader(source)
         #: batches consumed minus the global step: batches rollbacks skipped
         #: (`Config.on_guard`); a checkpoint of step s records s + offset consumed
         self.offset = offset
         #: the batch ranges ``(first, end)`` skipped so far, oldest first
         self.skipped: list[tuple[int, int]] = list(skipped)
 
-    def _position(self, step: int) -> Any:
+    @property
+    def reader(self) -> Reader:
+        """How the loop reads it now."""
+        return self._reader
+
+    @property
+    def iterator(self) -> Iterator[Any]:
+        """The batches the loop consumes."""
+        return self._reader.batches
+
+    @property
+    def reads_source(self) -> bool:
+        """Whether `position` reads the source's own state (a stateful source, its
+        reader keeping no positions of its own)."""
+        return self.kind == "stateful" and self._reader.position is None
+
+    def read_with(self, reader: Reader) -> None:
+        """Read the input through `reader` from now on (the session's choice, once)."""
+        self._reader = reader
+
+    def position(self, step: int) -> Any:
         """The input position after the batch of global step `step` was consumed.
 
         JSON-able; None when the source cannot say (a plain iterable), or when
         the batch count alone says it (a callable `data(start_step)`).
         """
+        if self._reader.position is not None:
+            return self._reader.position(step)
         if self.kind == "stateful":
             return self.source.get_state()
         return None
@@ -74,10 +107,13 @@ class Lookahead:
         self._buf: collections.deque[Any] = collections.deque()
         self._ended = False
         self._source = None
-        if inp.kind == "stateful" and getattr(inp.position, "__self__", None) is inp:
+        if inp.reads_source:  # read ahead, the source's state is recorded with each batch
             self._source = inp.source
             self._last = snapshot_state(inp.source)
-            inp.position = self.position
+
+    def reader(self, inp: Input) -> Reader:
+        """How `inp` is read through this lookahead."""
+        return Reader(self, inp.reader.position if self._source is None else self.position)
 
     def __iter__(self) -> Lookahead:
         return self
@@ -123,7 +159,7 @@ def make_input(data: Any, step: int, restored: Any = None, sharding: Any = None)
     if restored is not None:
         inp.skipped, inp.offset = list(restored.skipped), consumed - step
     if sharding is not None:
-        inp.iterator = (global_batch(sharding, b) for b in inp.source)
+        inp.read_with(Reader(global_batch(sharding, b) for b in inp.source))
     return inp
 
 

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from loopkit.carry import StepCarry
     from loopkit.checkpoint import CheckpointBackend, Restored, RollbackRecord
     from loopkit.config import Config
+    from loopkit.data import Input, Reader
     from loopkit.manager import PluginManager
     from loopkit.session import Session
 
@@ -194,6 +195,24 @@ def on_rollback(session: Session, record: RollbackRecord) -> None:
     :param session: the `loopkit.Session`, at the restored step.
     :param record: a `loopkit.RollbackRecord` (bad step, restored step, the batch
         range skipped, the metric and its value).
+    """
+
+
+@hookspec(firstresult=True)
+def input_reader(session: Session, input: Input) -> Reader | None:
+    """How the loop reads `input` (`train`'s data): batches made ahead, for example.
+
+    Called once per session with data, after `session_create`. Return a
+    `loopkit.data.Reader`: ``batches``, the iterator the loop consumes (built
+    from ``input.source``, the user's data opened at the session's step), and
+    ``position(step)``, the input position after the batch of global step
+    ``step`` as a checkpoint records it (None: read from the source when it is
+    stateful). Return None to let the loop read ``input.iterator`` as it is.
+    The built-in ``prefetch`` plugin implements it. Stops at the first non-None
+    result.
+
+    :param session: the `loopkit.Session`, ready to run.
+    :param input: the `loopkit.data.Input` (``source``, ``kind``, ``start_step``).
     """
 
 

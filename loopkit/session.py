@@ -218,12 +218,13 @@ class Session:
         """The iterator `train`'s loop reads: `input.iterator`, read ahead in a
         multi-process run so that every process stops after the last step all of
         them have a batch for (the first agreement round runs now)."""
-        assert self.input is not None
-        it = self.input.iterator
+        inp = self.input
+        assert inp is not None
         if self._sched.agreement is not None and not self.coord.stopped:
-            it = ahead = Lookahead(self.input)
+            ahead = Lookahead(inp)
+            inp.read_with(ahead.reader(inp))
             self._sched.read_ahead(ahead.fill, self, self.step)
-        return it
+        return inp.iterator
 
     def every(self, action: Callable[[Session], Any], secs: float | None = None,
               steps: int | None = None, name: str | None = None) -> Timer:
@@ -362,6 +363,10 @@ class Session:
         # Built-in services' session_create are `tryfirst`: they start before every
         # other plugin's, so the summary writer and the checkpoint backend are ready.
         hook.session_create(session=self)
+        if self.input is not None:  # read ahead by a plugin (`prefetch`), or as it is
+            reader = hook.input_reader(session=self, input=self.input)
+            if reader is not None:
+                self.input.read_with(reader)
         self._start_step = self.step
         write_status(stop_reason=None, step=self.step, start_step=self.step,
                      logdir=self.logdir)

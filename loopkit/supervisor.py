@@ -141,8 +141,9 @@ class Supervisor:
         ready check. Leaving the block stops the session: a final checkpoint on a
         normal exit, none after an error, which is re-raised.
 
-        `data` is how `train` hands over its input (`session.input`, which the
-        prefetch plugin fills ahead and whose position checkpoints record). In
+        `data` is how `train` hands over its input (`session.input`, read through
+        the `input_reader` hook's reader, e.g. the prefetch plugin's threads,
+        and whose position checkpoints record). In
         your own loop, leave it None and pass each batch to `sess.run(batch)`;
         with `data` set, read batches from `session.input.iterator`, or the
         saved input position will not match what the steps consumed.

@@ -13,8 +13,9 @@ its ticket comes up: batches reach the step in the source's order whatever
 `prefetch_threads` is. `Feed.position` gives the source's state recorded after
 the last batch the step consumed, not the producers' state.
 
-Small batches from a list, tuple or range with nothing to do to them (no
-transform, no `data_sharding`) are left to the loop: see `_in_memory`.
+The plugin implements the `input_reader` hook: the session reads its input through
+the `Reader` it returns. Small batches from a list, tuple or range with nothing to do
+to them (no transform, no `data_sharding`) are left to the loop: see `_in_memory`.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import numpy as np
 
 from loopkit.config import Config
 from loopkit.coordinator import add_note, has_origin
-from loopkit.data import snapshot_state
+from loopkit.data import Input, Reader, snapshot_state
 from loopkit.hookspec import hookimpl
 
 INACTIVE = "Config.prefetch is 0 and neither data_transform nor data_sharding is set"
@@ -58,27 +59,24 @@ SHARDING = "placing batches with Config.data_sharding"
 
 
 class PrefetchPlugin:
-    """Replaces `session.input.iterator` (and `.position`) with a prefetching one."""
+    """Reads the session's input ahead: the `Reader` its `input_reader` hook returns."""
 
     def __init__(self, config: Config) -> None:
         self.config = config
         self.feed: Feed | None = None
 
-    @hookimpl(tryfirst=True)  # built-in services start before other plugins'
-    def session_create(self, session: Any) -> None:
-        inp = session.input
-        if inp is None:  # the Supervisor idiom: the user feeds run(batch)
-            return
+    @hookimpl(trylast=True)  # a user's reader wins
+    def input_reader(self, session: Any, input: Input) -> Reader | None:
         cfg = self.config
         if cfg.prefetch == 0:  # transform / placement only, in the loop's thread
-            inp.iterator = _inline(inp.source, cfg)
-            return
-        if cfg.data_transform is None and cfg.data_sharding is None and _in_memory(inp):
-            return  # the loop reads it itself
-        self.feed = feed = Feed(session, self.config)
-        inp.iterator = feed.batches()
-        if inp.kind == "stateful":
-            inp.position = feed.position
+            return Reader(_inline(input.source, cfg))
+        source = input.source
+        if cfg.data_transform is None and cfg.data_sharding is None:
+            source, small = _in_memory(source)
+            if small:
+                return Reader(source)  # the loop reads it itself
+        self.feed = feed = Feed(session, input, source, self.config)
+        return Reader(feed.batches(), feed.position if input.kind == "stateful" else None)
 
 
 def plugin(config: Config) -> PrefetchPlugin | None:
@@ -87,18 +85,18 @@ def plugin(config: Config) -> PrefetchPlugin | None:
     return PrefetchPlugin(config)
 
 
-def _in_memory(inp: Any) -> bool:
-    """True for small batches from a list, tuple or range: nothing to do ahead.
+def _in_memory(source: Iterator[Any]) -> tuple[Iterator[Any], bool]:
+    """Whether `source` has small batches from a list, tuple or range: nothing to do
+    ahead. Returns the source to read from then (its first batch looked at), and that.
 
     Their `next()` cannot block and costs less than any hand-off from a thread,
     and the step's own call places a small batch for less than `jax.device_put`.
     Large batches still go through a thread, to be placed ahead of the step.
     """
-    if type(inp.source) not in _SEQUENCE_ITERATORS:
-        return False
-    first = list(itertools.islice(inp.source, 1))
-    inp.source = inp.iterator = itertools.chain(first, inp.source)
-    return not first or _nbytes(first[0]) < PLACE_MIN_BYTES
+    if type(source) not in _SEQUENCE_ITERATORS:
+        return source, False
+    first = list(itertools.islice(source, 1))
+    return itertools.chain(first, source), not first or _nbytes(first[0]) < PLACE_MIN_BYTES
 
 
 def _inline(source: Iterator[Any], cfg: Config) -> Iterator[Any]:
@@ -148,9 +146,8 @@ class Feed:
     the other side when it sees the waiter's flag.
     """
 
-    def __init__(self, session: Any, cfg: Config) -> None:
-        inp = session.input
-        self.session, self.source, self.start_step = session, inp.source, inp.start_step
+    def __init__(self, session: Any, inp: Input, source: Iterator[Any], cfg: Config) -> None:
+        self.session, self.source, self.start_step = session, source, inp.start_step
         self.input = inp
         self.stateful = inp.kind == "stateful"
         self.transform, self.sharding = cfg.data_transform, cfg.data_sharding

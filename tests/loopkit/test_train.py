@@ -28,7 +28,7 @@ def test_hook_order_and_arguments_over_a_run():
                            **FAST)
     assert rec.names() == [
         "restore_state", "init_state", "local_init", "step_carry", "session_create",
-        "before_step", "after_step", "before_step", "after_step", "before_step", "after_step",
+        "input_reader", "before_step", "after_step", "before_step", "after_step", "before_step", "after_step",
         "on_stop",
     ]
     assert [c.kwargs["step"] for c in rec.calls("before_step")] == [0, 1, 2]
