@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 import pluggy
 
-from loopkit.coordinator import add_note
+from loopkit.coordinator import add_note, has_origin
 from loopkit.errors import PluginError
 
 if TYPE_CHECKING:
@@ -128,6 +128,19 @@ class PluginManager(pluggy.PluginManager):
             found = codes.get(tb.tb_frame.f_code, found)
             tb = tb.tb_next
         return found
+
+    def note_origin(self, ex: BaseException, step: int, step_fn: bool = True) -> None:
+        """Add a note to `ex` saying which hook of which plugin raised it at `step`, or
+        (`step_fn`) else the step function; nothing when a note says so already."""
+        if has_origin(ex):
+            return
+        origin = self.find_hook_origin(ex)
+        if origin is not None:
+            hook_name, plugin_name = origin
+            add_note(ex, f"raised in loopkit hook {hook_name!r} of plugin {plugin_name!r} "
+                         f"at step {step}")
+        elif step_fn and not isinstance(ex, (KeyboardInterrupt, SystemExit)):
+            add_note(ex, f"raised in loopkit's step function at step {step + 1}")
 
     def describe(self) -> list[tuple[str, str, list[str]]]:
         """(name, origin, hooks) for every plugin, registered or inactive."""

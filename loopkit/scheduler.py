@@ -64,9 +64,15 @@ class Timer:
         return f"Timer({self.name!r}, secs={self.secs}, steps={self.steps})"
 
 
-def noted(action: Callable[[Any], Any], name: str, owner: str | None) -> Callable[[Any], Any]:
-    """`action`, with a note naming the timer (and its plugin) on any exception it raises."""
-    where = f"timer {name!r}" + (f" of plugin {owner!r}" if owner else "")
+def noted(action: Callable[[Any], Any], name: str | None,
+          plugin_name: Callable[[Any], str | None]) -> tuple[Callable[[Any], Any], str, str | None]:
+    """`action`, with a note naming the timer (and its plugin) on any exception it
+    raises; the timer's name (`name`, else its plugin's, else the function's), and
+    its plugin's name (`plugin_name(owner)` of a bound method's object)."""
+    owner = getattr(action, "__self__", None)
+    owner_name = plugin_name(owner) if owner is not None else None
+    name = name or owner_name or getattr(action, "__name__", "action")
+    where = f"timer {name!r}" + (f" of plugin {owner_name!r}" if owner_name else "")
 
     def run(session: Any) -> None:
         try:
@@ -75,7 +81,7 @@ def noted(action: Callable[[Any], Any], name: str, owner: str | None) -> Callabl
             add_note(ex, f"raised in loopkit {where} at step {session.step}")
             raise
 
-    return run
+    return run, name, owner_name
 
 
 class Scheduler:

@@ -18,11 +18,11 @@ import numpy as np
 
 from loopkit.compile_cache import use_compilation_cache
 from loopkit.coordinator import (
-    Coordinator, LooperThread, SignalHandlers, add_note, has_origin, raise_stop_errors,
+    Coordinator, LooperThread, SignalHandlers, add_note, raise_stop_errors,
 )
 from loopkit.data import Lookahead, make_input
 from loopkit.logdir_lock import LogdirLock
-from loopkit.pytree import abstract, check_matches, conform, trace_init
+from loopkit.opening import recover_or_init
 from loopkit.run_status import write_status
 from loopkit.scheduler import (
     RunningAction, Scheduler, Timer, agree_across_processes, noted,
@@ -136,7 +136,7 @@ class Session:
                 sched.run_due(self, step)
             return metrics
         except BaseException as ex:
-            self._annotate(ex)
+            self.plugin_manager.note_origin(ex, self.step)
             raise
 
     # -- what hooks and users call ---------------------------------------------------
@@ -234,7 +234,7 @@ class Session:
         and are re-armed when they return. They do not fire at the stop: do final
         work in `on_stop`. Returns a handle with `cancel()`.
         """
-        run, name, owner = self._timer_action(action, name)
+        run, name, owner = noted(action, name, self.plugin_manager.get_name)
         return self._sched.add(run, secs, steps, name, self.step, owner)
 
     @property
@@ -258,15 +258,8 @@ class Session:
     def at_step(self, step: int, action: Callable[[Session], Any],
                 name: str | None = None) -> Timer:
         """Run `action(session)` once, at the boundary after global step `step`."""
-        run, name, owner = self._timer_action(action, name)
+        run, name, owner = noted(action, name, self.plugin_manager.get_name)
         return self._sched.once(run, step, name, owner)
-
-    def _timer_action(self, action: Callable[[Session], Any],
-                      name: str | None) -> tuple[Callable[[Session], Any], str, str | None]:
-        owner = getattr(action, "__self__", None)
-        owner_name = self.plugin_manager.get_name(owner) if owner is not None else None
-        name = name or owner_name or getattr(action, "__name__", "action")
-        return noted(action, name, owner_name), name, owner_name
 
     def loop(self, interval_secs: float | None, target: Callable[..., Any],
              args: tuple | None = None, kwargs: dict | None = None) -> LooperThread:
@@ -322,33 +315,7 @@ class Session:
             self._lock = LogdirLock(self.logdir, on_lost=self.coord.request_stop)
             self._lock.acquire()
         self._uncache = use_compilation_cache(self.config.compilation_cache, self.logdir)
-        # A callable init is traced (and lowered where shardings matter), not run;
-        # built is init() run for real, once: when nothing can be restored, or when
-        # it could not be traced.
-        if callable(init) and hook.can_restore(session=self) is False:
-            built = init()
-            like = abstract(built)
-        else:
-            like, built = trace_init(init) if callable(init) else (abstract(init), None)
-        restored = hook.restore_state(session=self, like=like)
-        if restored is not None:
-            self.restored = restored
-            self.state = conform(restored.state, like)
-            self.step = int(restored.step)
-        else:
-            if callable(init) and built is None:
-                built = init()
-                # the state of this one call is the reference: its static fields
-                # (a transform made inside init) are not those of the trace
-                like = abstract(built)
-            state = built if built is not None else init
-            new = hook.init_state(session=self, state=state)
-            self.state = state if new is None else new
-        hook.local_init(session=self)
-        check_matches(
-            self.state, like,
-            "the restored state" if restored is not None else "the state after init_fn",
-        )
+        restored = recover_or_init(self, init)  # the state, restored or fresh, checked
         if data is not None:
             self.input = make_input(data, self.step, restored, self.config.data_sharding)
         carries = [c for c in hook.step_carry(session=self) if c is not None]
@@ -391,7 +358,8 @@ class Session:
         """
         coord = self.coord
         if error is not None and not isinstance(error, StopIteration):
-            self._annotate(error, fallback=False)  # run() annotates the step's own
+            # run() names the step function itself
+            self.plugin_manager.note_origin(error, self.step, step_fn=False)
         coord.request_stop(error)
         try:
             coord.join(self.config.stop_grace_secs)
@@ -430,16 +398,3 @@ class Session:
             self._compiled.set_state(self._state)
         self._compiled.end(ended)
         self._before = self._after = None
-
-    def _annotate(self, ex: BaseException, fallback: bool = True) -> None:
-        """Add a note saying which hook and plugin (or the step function) raised."""
-        if has_origin(ex):
-            return
-        origin = self.plugin_manager.find_hook_origin(ex)
-        if origin is not None:
-            hook_name, plugin_name = origin
-            add_note(ex, f"raised in loopkit hook {hook_name!r} of plugin {plugin_name!r} "
-                         f"at step {self.step}")
-        elif fallback and not isinstance(ex, (KeyboardInterrupt, SystemExit)):
-            add_note(ex, f"raised in loopkit's step function at step {self.step + 1}")
-

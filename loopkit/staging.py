@@ -17,7 +17,8 @@ import numpy as np
 
 from loopkit.pytree import is_key, sharding_of
 
-__all__ = ["Spare", "Staged", "aval", "copied", "to_host", "views", "views_protect"]
+__all__ = ["Spare", "Staged", "aval", "copied", "copied_arrays", "swap_leaves", "to_host",
+           "views", "views_protect"]
 
 log = logging.getLogger("loopkit")
 
@@ -177,3 +178,19 @@ class Spare:
         self.forget()
         if self._compiler is not None:
             self._compiler.join()
+
+
+def swap_leaves(state: Any, part: Sequence[Any], new: Sequence[Any]) -> Any:
+    """`state` with each leaf of `part` replaced by the same place of `new`."""
+    by_id = {id(x): y for x, y in zip(part, new)}
+    return jax.tree.map(lambda x: by_id.get(id(x), x), state)
+
+
+def copied_arrays(tree: Any) -> Any:
+    """`tree` with its jax arrays copied where they are, in one batch; its other leaves
+    (which a library's jit may treat as static: a string) as they are."""
+    leaves, treedef = jax.tree.flatten(tree)
+    at = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
+    for i, x in zip(at, copied([leaves[i] for i in at])):
+        leaves[i] = x
+    return treedef.unflatten(leaves)

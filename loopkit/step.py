@@ -36,11 +36,13 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 
-from loopkit.carry import CarriedMetrics, attach, first_values, update_all
+from loopkit.carry import CarriedMetrics, attach, first_values
 from loopkit.pytree import abstract
-from loopkit.staging import Spare, Staged, aval, copied, to_host, views, views_protect
-from loopkit.step_checks import RecompileWatch, check_step_output
-from loopkit.step_layout import on_cpu_devices, one_in_flight, pins
+from loopkit.staging import (
+    Spare, Staged, aval, copied, copied_arrays, swap_leaves, to_host, views, views_protect,
+)
+from loopkit.step_checks import RecompileWatch, check_step_output, is_jitted
+from loopkit.step_layout import on_cpu_devices, one_in_flight, pins, step_body
 
 if TYPE_CHECKING:
     from loopkit.carry import StepCarry
@@ -53,13 +55,6 @@ log = logging.getLogger("loopkit")
 PyTree = Any
 _UNSET = object()
 _NO_METRICS: Mapping[str, Any] = MappingProxyType({})
-
-
-def is_jitted(fn: Any) -> bool:
-    """True for a function JAX has already jitted (`jax.jit` and wrappers built on it)."""
-    # jax.jit, flax.nnx.jit and equinox.filter_jit all have `lower`; equinox's
-    # wrapper is no PjitFunction and has no `eval_shape`
-    return callable(getattr(fn, "lower", None))
 
 
 class _Layout(NamedTuple):
@@ -194,7 +189,7 @@ class CompiledStep:
             staged = self._stage_in_place(state, tuple(donated), self._spare, ahead)
             if staged is not None:
                 return staged
-        return Staged(self._swap(state, donated, [to_host(x) for x in donated]), None)
+        return Staged(swap_leaves(state, donated, [to_host(x) for x in donated]), None)
 
     def _stage_in_place(self, state: PyTree, part: tuple, spare: Spare,
                         ahead: bool) -> Staged | None:
@@ -215,13 +210,7 @@ class CompiledStep:
                     *self._batch_avals)
             spare.compile_ahead((jax.tree.map(aval, self.frozen), *args) if self._bound
                                 else args)
-        return Staged(self._swap(state, part, copies), None, spare.releaser(copies))
-
-    @staticmethod
-    def _swap(state: PyTree, part: Sequence[Any], new: Sequence[Any]) -> PyTree:
-        """`state` with each leaf of `part` replaced by the same place of `new`."""
-        by_id = {id(x): y for x, y in zip(part, new)}
-        return jax.tree.map(lambda x: by_id.get(id(x), x), state)
+        return Staged(swap_leaves(state, part, copies), None, spare.releaser(copies))
 
     def _spare_call(self, live: Any, *batch: Any) -> Any:
         """The step after a save: donates the spare, not `live` (a saver reads it)."""
@@ -322,32 +311,9 @@ class CompiledStep:
             self.no_metrics = CarriedMetrics(holder)
         layout = self._layout
         watch = RecompileWatch(getattr(fn, "__qualname__", repr(fn)))
-        if layout is None:
-            def inner(frozen: tuple, live: Any, *batch: Any) -> Any:
-                watch.traced(batch)  # runs when jax traces (compiles), not per step
-                if not carries:
-                    return fn(live, *batch)
-                state, values = live
-                new, metrics = fn(state, *batch)
-                return (new, update_all(carries, values, new, metrics)), ({} if drop else metrics)
-        else:
-            treedef, rw, fz = layout.treedef, layout.rewritten, layout.frozen
-            size = treedef.num_leaves
-
-            def inner(frozen: tuple, live: Any, *batch: Any) -> Any:
-                watch.traced(batch)  # runs when jax traces (compiles), not per step
-                part, values = live if carries else (live, ())
-                leaves: list[Any] = [None] * size
-                for i, x in zip(rw, part):
-                    leaves[i] = x
-                for i, x in zip(fz, frozen):
-                    leaves[i] = x
-                new, metrics = fn(treedef.unflatten(leaves), *batch)
-                out = treedef.flatten_up_to(new)
-                part = tuple(out[i] for i in rw)
-                if not carries:
-                    return part, metrics
-                return (part, update_all(carries, values, new, metrics)), ({} if drop else metrics)
+        inner = step_body(fn, carries, None if layout is None else layout.treedef,
+                          layout.rewritten if layout else (), layout.frozen if layout else (),
+                          watch, drop)
 
         # With no frozen leaf the jitted function takes `live` alone: the loop then
         # calls it directly, with no argument bound in front (measured: ~0.3 us/step).
@@ -424,14 +390,8 @@ class CompiledStep:
                 hold = None
             if hold is not None:
                 return self._normal(live, *batch)
-        if self.user_jitted:
-            # the arrays copied where they are, in one batch: nothing compiled, and
-            # leaves a library's jit treats as static (a string) passed as they are
-            leaves, treedef = jax.tree.flatten(live)
-            at = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
-            for i, x in zip(at, copied([leaves[i] for i in at])):
-                leaves[i] = x
-            return self._normal(treedef.unflatten(leaves), *batch)
+        if self.user_jitted:  # its arrays copied where they are: nothing compiled
+            return self._normal(copied_arrays(live), *batch)
         args = (self.frozen, live, *batch) if self._bound else (live, *batch)
         if not self._ahead:
             self._ahead = True  # the normal variant, compiled before it is first needed

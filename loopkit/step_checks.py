@@ -17,7 +17,7 @@ import jax
 
 from loopkit.pytree import _first_difference, _short, abstract, leaves_with_paths
 
-__all__ = ["RecompileWatch", "check_step_output"]
+__all__ = ["RecompileWatch", "check_step_output", "is_jitted"]
 
 log = logging.getLogger("loopkit")
 
@@ -25,6 +25,13 @@ PyTree = Any
 _EXPECTED = ("the step function must return a pair (state, metrics): the new state and a "
              "mapping of metric names to scalars, e.g. `return state, {\"loss\": loss}` "
              "(`return state, {}` when there are none)")
+
+
+def is_jitted(fn: Any) -> bool:
+    """True for a function JAX has already jitted (`jax.jit` and wrappers built on it)."""
+    # jax.jit, flax.nnx.jit and equinox.filter_jit all have `lower`; equinox's
+    # wrapper is no PjitFunction and has no `eval_shape`
+    return callable(getattr(fn, "lower", None))
 
 
 def describe(x: Any) -> str:

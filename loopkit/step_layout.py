@@ -1,12 +1,19 @@
-"""Where the compiled step's arrays live: pinned output shardings, and dispatch on a CPU mesh."""
+"""The compiled step's body and where its arrays live: pinned output shardings, and
+dispatch on a CPU mesh."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import jax
 
-__all__ = ["on_cpu_devices", "one_in_flight", "pins"]
+from loopkit.carry import update_all
+
+if TYPE_CHECKING:
+    from loopkit.carry import StepCarry
+    from loopkit.step_checks import RecompileWatch
+
+__all__ = ["on_cpu_devices", "one_in_flight", "pins", "step_body"]
 
 
 def on_cpu_devices(leaves: Sequence[Any]) -> bool:
@@ -53,3 +60,43 @@ def pins(leaves: Sequence[Any]) -> tuple[Any, ...] | None:
         else:
             out.append(replicated)
     return tuple(out)
+
+
+def step_body(fn: Callable[..., Any], carries: tuple[StepCarry, ...], treedef: Any,
+              rewritten: tuple[int, ...], frozen: tuple[int, ...], watch: RecompileWatch,
+              drop: bool) -> Callable[..., Any]:
+    """``inner(frozen, live, *batch) -> (live, metrics)``, the function loopkit jits.
+
+    With a `treedef` (the step traced by loopkit), `live` holds the `rewritten`
+    leaves and `frozen` the others, which it never returns; without one, `live` is
+    the whole state. With `carries`, `live` is paired with their values, each
+    updated after the step; `drop`: the metrics live in a carry, none leave the step.
+    """
+    if treedef is None:
+        def inner(frozen_leaves: tuple, live: Any, *batch: Any) -> Any:
+            watch.traced(batch)  # runs when jax traces (compiles), not per step
+            if not carries:
+                return fn(live, *batch)
+            state, values = live
+            new, metrics = fn(state, *batch)
+            return (new, update_all(carries, values, new, metrics)), ({} if drop else metrics)
+
+        return inner
+    size = treedef.num_leaves
+
+    def inner(frozen_leaves: tuple, live: Any, *batch: Any) -> Any:  # type: ignore[no-redef]
+        watch.traced(batch)  # runs when jax traces (compiles), not per step
+        part, values = live if carries else (live, ())
+        leaves: list[Any] = [None] * size
+        for i, x in zip(rewritten, part):
+            leaves[i] = x
+        for i, x in zip(frozen, frozen_leaves):
+            leaves[i] = x
+        new, metrics = fn(treedef.unflatten(leaves), *batch)
+        out = treedef.flatten_up_to(new)
+        part = tuple(out[i] for i in rewritten)
+        if not carries:
+            return part, metrics
+        return (part, update_all(carries, values, new, metrics)), ({} if drop else metrics)
+
+    return inner

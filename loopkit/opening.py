@@ -1,0 +1,51 @@
+"""Opening a session's state, as the Supervisor's `prepare_or_wait_for_session` does.
+
+Recover from a checkpoint (`restore_state`), else build `init` and apply `init_fn`
+(`init_state`); then `local_init_fn` (`local_init`); then the ready check against
+`init`'s structure, shapes and dtypes.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from loopkit.pytree import abstract, check_matches, conform, trace_init
+
+if TYPE_CHECKING:
+    from loopkit.checkpoint import Restored
+    from loopkit.session import Session
+
+__all__ = ["recover_or_init"]
+
+
+def recover_or_init(session: Session, init: Any) -> Restored | None:
+    """Set `session`'s state (and step) from a checkpoint or from `init`; what was restored."""
+    hook = session.hook
+    # A callable init is traced (and lowered where shardings matter), not run;
+    # built is init() run for real, once: when nothing can be restored, or when
+    # it could not be traced.
+    if callable(init) and hook.can_restore(session=session) is False:
+        built = init()
+        like = abstract(built)
+    else:
+        like, built = trace_init(init) if callable(init) else (abstract(init), None)
+    restored = hook.restore_state(session=session, like=like)
+    if restored is not None:
+        session.restored = restored
+        session.state = conform(restored.state, like)
+        session.step = int(restored.step)
+    else:
+        if callable(init) and built is None:
+            built = init()
+            # the state of this one call is the reference: its static fields
+            # (a transform made inside init) are not those of the trace
+            like = abstract(built)
+        state = built if built is not None else init
+        new = hook.init_state(session=session, state=state)
+        session.state = state if new is None else new
+    hook.local_init(session=session)
+    check_matches(
+        session.state, like,
+        "the restored state" if restored is not None else "the state after init_fn",
+    )
+    return restored
