@@ -3,7 +3,8 @@
 Young and Daly's first-order optimum ``sqrt(2 * save_cost * MTBI)``
 (`report.young_daly`): the save cost is what the ledger measured (the loop held
 by a save, plus its commit's slowdown of the steps beside it), the mean time
-between interruptions the ledger's (24 hours until there is one); never below the
+between interruptions the ledger's (until there is one, the run's wall time so far,
+at least an hour); never below the
 time a commit takes, never above an hour. The interval in force is logged, and
 written to TensorBoard (``loopkit/save_model_secs``), whenever it changes.
 """
@@ -49,7 +50,8 @@ class AutoInterval:
                  "mean time between interruptions %s)", new,
                  "not measured yet" if report.save_cost_secs is None
                  else f"{report.save_cost_secs:.3g} s",
-                 "none yet: 24 h assumed" if report.mtbi_secs is None
+                 "none yet: the run's time so far, at least 1 h, assumed"
+                 if report.mtbi_secs is None
                  else f"{report.mtbi_secs:.0f} s")
         if session.summary_writer is not None:
             session.summary_writer.add_scalar(TAG, new, session.step)

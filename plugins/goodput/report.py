@@ -23,12 +23,17 @@ from loopkit.plugins.goodput.records import (
 )
 
 __all__ = ["CAUSES", "DEFAULT_MTBI_SECS", "MAX_SAVE_SECS", "FINISHED", "GoodputReport",
-           "UNMEASURED_SAVE_SECS", "format_report", "goodput", "summarise", "young_daly"]
+           "UNINTERRUPTED_MTBI_SECS", "UNMEASURED_SAVE_SECS", "format_report", "goodput", "summarise", "young_daly"]
 
 CAUSES = ("startup", "restore", "compile", "recompute", "checkpoint", "input", "timers",
           "downtime", "hang")
-#: the mean time between interruptions assumed until the ledger has one
+#: the mean time between interruptions `young_daly` assumes when given none (a report
+#: before the first interruption gives the run's wall time so far instead)
 DEFAULT_MTBI_SECS = 24 * 3600.0
+#: before the first interruption the report takes the run's wall time so far as the
+#: MTBI (as if it were interrupted now), but never less than this: a young run saves
+#: more often than a long one that has never been interrupted
+UNINTERRUPTED_MTBI_SECS = 3600.0
 #: the longest interval "auto" picks
 MAX_SAVE_SECS = 3600.0
 #: the save cost assumed until a save has been measured
@@ -61,7 +66,8 @@ class GoodputReport:
     #: what a save costs the run: the loop held, plus its commit's slowdown of the steps
     #: beside it; None before a save was measured
     save_cost_secs: float | None
-    #: the interval `save_model_secs="auto"` picks now
+    #: the interval `save_model_secs="auto"` picks now (before the first interruption,
+    #: with the wall time so far as the MTBI, at least `UNINTERRUPTED_MTBI_SECS`)
     suggested_save_secs: float
     #: the mean time from a save's hold to durable (the lower bound of "auto")
     commit_secs: float | None = None
@@ -213,7 +219,9 @@ def summarise(records: Sequence[Record]) -> GoodputReport:
         fraction=productive / wall if wall > 0 else 0.0, badput=badput,
         sessions=len(sessions), interruptions=interruptions, rollbacks=rollbacks,
         mtbi_secs=mtbi, save_cost_secs=cost,
-        suggested_save_secs=young_daly(cost, mtbi, commit_mean), commit_secs=commit_mean,
+        suggested_save_secs=young_daly(cost, mtbi if mtbi is not None
+                                       else max(wall, UNINTERRUPTED_MTBI_SECS), commit_mean),
+        commit_secs=commit_mean,
     )
 
 
