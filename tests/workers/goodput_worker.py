@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +47,14 @@ class Kill:
     @loopkit.hookimpl
     def after_step(self, step):
         if step == kill_at:
+            # the last save before the kill committed first (a loaded machine may not
+            # have published it yet), so that every run restores the same step
+            every = extra.get("save_model_steps", 15)
+            saved = step - step % every if every else -1
+            deadline = time.monotonic() + 60
+            while ((loopkit.latest_checkpoint(logdir) or (-1,))[0] < saved
+                   and time.monotonic() < deadline):
+                time.sleep(0.01)
             os.kill(os.getpid(), signal.SIGKILL)
 
 
