@@ -74,17 +74,18 @@ def _remove_dead_stages() -> None:
 
 
 class StagedBackend:
-    """Checkpoints under `url`, written and read by the local backend ``make_local(stage_dir)``."""
+    """Checkpoints under `url`, written and read by the local backend ``make_local(stage_dir)``.
+
+    With many processes each stages and uploads its own part (see the module).
+    """
 
     def __init__(self, url: str, basename: str, make_local: Callable[[Path], Any]) -> None:
         import jax
 
-        if jax.process_count() > 1:
-            raise ValueError(
-                f"checkpoints under the URL {url!r} are staged on local disk and uploaded by "
-                f"one process; this run has {jax.process_count()} processes: use a directory "
-                "every process shares (see docs/storage.md)")
         self.url = url
+        self._processes = set(range(jax.process_count()))
+        self._chief = jax.process_index() == 0
+        self._uploads = 0  # names each upload's barriers (the same on every process)
         self.basename = basename
         _remove_dead_stages()
         self._stage = Path(tempfile.mkdtemp(prefix=f"{_STAGE}{os.getpid()}-"))
@@ -124,21 +125,54 @@ class StagedBackend:
             self._discard_local(step)
 
     def _upload(self, step: int) -> None:
-        if not self._cleaned:  # only a writer cleans: a reader may watch a save in progress
-            self._remove_partial()
-            self._cleaned = True
+        """Upload ``step``: every process its own files, then the chief the marker.
+
+        A directory checkpoint: the chief clears what a crash left, every process
+        uploads the files it wrote (the union is the checkpoint), and once all have
+        (a barrier) the chief writes the marker, which commits it. A file checkpoint
+        is one object, the chief's copy (every process wrote the same replicas).
+        """
         src, dst = Path(self.local.path(step)), self.path(step)
         fs, base = storage.filesystem(dst)
+        self._uploads += 1
+        phase = f"{self.basename}-{step}-{self._uploads}"
         try:
             if src.is_dir():
-                storage.remove(dst)  # a partial upload of this step, or the one it replaces
+                # a commit file the local backend wrote (orbax's, with `own_files`) is not
+                # uploaded: the marker goes up last, once every process's part is there
+                (src / MARKER).unlink(missing_ok=True)
+                if self._chief:
+                    if not self._cleaned:  # only a writer cleans: a reader may watch a save
+                        self._remove_partial()
+                        self._cleaned = True
+                    storage.remove(dst)  # a partial upload of this step, or the one it replaces
+                self._barrier(f"{phase}-cleared")
                 storage.upload_tree(src, dst)
-                fs.pipe_file(f"{base}/{MARKER}", b"")  # last: commits the upload
-            else:
+                self._barrier(f"{phase}-written")  # every process's part is in the store
+                if self._chief:
+                    fs.pipe_file(f"{base}/{MARKER}", b"")  # last: commits the upload
+            elif self._chief:
                 fs.put_file(str(src), base)
         except Exception as e:
             raise CheckpointError(f"uploading checkpoint {dst} failed: {e}") from e
+        self._barrier(f"{phase}-committed")  # no process goes on before it is committed
         fs.invalidate_cache(base)
+
+    def _barrier(self, name: str) -> None:
+        """Wait until every process reaches ``name`` (none with one process).
+
+        Through the jax.distributed client, as the orbax backend's barriers: uploads run
+        in the commit thread, where a device collective would interleave with the
+        training step's own. A process that failed never arrives: the others raise
+        when the barrier times out.
+        """
+        if len(self._processes) < 2:
+            return
+        import orbax.checkpoint as ocp
+
+        ocp.multihost.sync_global_processes(
+            f"loopkit-upload-{name}", processes=self._processes,
+            barrier_sync_fn=ocp.multihost.get_barrier_sync_fn(processes=self._processes))
 
     def _remove_partial(self) -> None:
         """Remove directory checkpoints whose upload never finished (no marker)."""
