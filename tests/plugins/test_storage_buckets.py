@@ -104,7 +104,9 @@ class Store:
         return fsspec.filesystem(self.scheme)
 
     def objects(self, prefix: str = "") -> list[str]:
-        found = self.fs.find(f"{self.bucket}/{prefix}")
+        fs = self.fs
+        fs.invalidate_cache()  # others (the processes of a job) write meanwhile
+        found = fs.find(f"{self.bucket}/{prefix}")
         return sorted(k.split("/", 1)[1] for k in found)
 
     def put(self, key: str, body: bytes) -> None:
@@ -369,3 +371,118 @@ def test_sigkill_during_saves_to_a_bucket_then_resume_equals_uninterrupted(store
         want = np.asarray(want.astype(jnp.float32) if key == "h" else want)
         assert final[key].tobytes() == want.tobytes(), key
     assert loopkit.latest_checkpoint(url) == (max_steps, f"{url}/model.ckpt-{max_steps}")
+
+
+# -- many processes: each writes its own part, the chief commits ---------------------------
+
+
+def _distributed():
+    """tests/test_distributed.py's helpers: real jax.distributed jobs on localhost."""
+    path = Path(__file__).resolve().parents[1] / "test_distributed.py"
+    spec = importlib.util.spec_from_file_location("loopkit_distributed_helpers", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def quick_lease(monkeypatch):
+    """A killed job leaves its lease on the logdir: the next one waits 4 renewals for it
+    to expire, quickly here (the processes inherit this environment)."""
+    monkeypatch.setenv("LOOPKIT_LEASE_RENEW_SECS", "0.5")
+
+
+def _dirs(tmp_path, *names):
+    made = [tmp_path / n for n in names]
+    for d in made:
+        d.mkdir()
+    return made
+
+
+#: 2 processes x 2 CPU devices, `w` sharded over all 4: each process writes its own shards
+SHARDED = ("--save-steps", "5", "--shard-state")
+
+
+def test_two_processes_sigkilled_on_a_bucket_resume_bitwise_and_others_read_it(
+        store, tmp_path, quick_lease):
+    d = _distributed()
+    ref, run, one, one_ref = _dirs(tmp_path, "ref", "run", "one", "one_ref")
+    url = store.url("run")
+    d.finish(d.start(ref, ref, 2, 120, *SHARDED, devices=2))  # uninterrupted, local logdir
+
+    procs = d.start(url, run, 2, 100_000, *SHARDED, sleeps=[0.02, 0.02], devices=2)
+    d.wait_ready(procs)
+    deadline = time.monotonic() + d.TIMEOUT
+    while not store.objects("run/checkpoint"):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+        time.sleep(0.2)
+    time.sleep(1.0)
+    for p in procs:  # every process, at once, wherever they are
+        p.kill()
+    for p in procs:
+        p.wait(timeout=30)
+    step, _ = loopkit.latest_checkpoint(url)
+    assert 5 <= step < 120, step
+    keys = store.objects(f"run/model.ckpt-{step}/")
+    # every process wrote its own shards of `w` (2 each); the chief the metadata, the marker
+    assert {k.split("/", 2)[2] for k in keys} >= {"w/c/0", "w/c/1", "w/c/2", "w/c/3", MARKER}
+
+    outs = d.finish(d.start(url, run, 2, 120, *SHARDED, devices=2))
+    assert all(f"READY {step}" in out and "RESULT 120 max_steps" in out for _, out, _ in outs)
+    want = d.load(ref / "p0.npz")
+    for i in (0, 1):
+        got = d.load(run / f"p{i}.npz")
+        for k in ("w", "b"):
+            assert got[k].tobytes() == want[k].tobytes(), (i, k)  # bitwise
+
+    # a third process, alone, reads the 2-process checkpoint (this test's process)
+    assert loopkit.latest_checkpoint(url) == (120, f"{url}/model.ckpt-120")
+    saved = loopkit.load_checkpoint(url)
+    assert saved["w"].tobytes() == want["w"].tobytes()
+    assert np.asarray(saved["b"]).tobytes() == want["b"].tobytes()
+
+    # elastic: the job shrank to 1 process, which resumes from the bucket
+    outs = d.finish(d.start(url, one, 1, 125, *SHARDED, devices=2))
+    assert "READY 120" in outs[0][1] and "RESULT 125 max_steps" in outs[0][1]
+    started = d.load(one / "p0.npz.ready.npz")  # exactly what the 2 processes saved
+    assert started["w"].tobytes() == want["w"].tobytes()
+    d.finish(d.start(ref, one_ref, 2, 125, *SHARDED, devices=2))
+    np.testing.assert_allclose(d.load(one / "p0.npz")["w"], d.load(one_ref / "p0.npz")["w"],
+                               rtol=1e-5, atol=1e-6)  # 1 process sums the batch in another order
+
+
+def test_a_process_killed_writing_its_part_leaves_no_named_checkpoint(
+        store, tmp_path, quick_lease):
+    d = _distributed()
+    ref, run = _dirs(tmp_path, "ref", "run")
+    url = store.url("run")
+    d.finish(d.start(ref, ref, 2, 20, *SHARDED, devices=2))
+
+    # process 1 dies after the first of its 2 objects of step 10; process 0 uploads its
+    # own part and waits for process 1's, which never comes: it is killed too
+    procs = d.start(url, run, 2, 20, *SHARDED, "--die-uploading", "1:10", devices=2)
+    procs[1].wait(timeout=d.TIMEOUT)
+    assert procs[1].returncode == -signal.SIGKILL, d._read(procs[1])
+    assert "DYING uploading" in d._read(procs[1])[0]
+    time.sleep(1.0)  # process 0 at the barrier, its part uploaded
+    procs[0].kill()
+    procs[0].wait(timeout=30)
+    partial = store.objects("run/model.ckpt-10/")
+    assert partial and f"run/model.ckpt-10/{MARKER}" not in partial
+    assert "run/model.ckpt-10/w/c/0" in partial  # the chief's part is all there
+    assert 'model_checkpoint_path: "model.ckpt-5"' in storage.read_bytes(
+        f"{url}/checkpoint").decode()
+    assert "model.ckpt-10" not in storage.read_bytes(f"{url}/checkpoint").decode()
+    assert loopkit.latest_checkpoint(url) == (5, f"{url}/model.ckpt-5")
+    assert list(loopkit.checkpoints_iterator(url, timeout=0)) == [(5, f"{url}/model.ckpt-5")]
+
+    # the next run resumes from step 5; its first save (at its stop, step 8) removes
+    # the partial upload
+    outs = d.finish(d.start(url, run, 2, 8, *SHARDED, devices=2))
+    assert all("READY 5" in out and "RESULT 8 max_steps" in out for _, out, _ in outs)
+    assert not store.objects("run/model.ckpt-10/")
+    assert "a checkpoint whose upload never finished" in outs[0][2]
+    outs = d.finish(d.start(url, run, 2, 20, *SHARDED, devices=2))
+    want = d.load(ref / "p0.npz")
+    for k in ("w", "b"):
+        assert d.load(run / "p0.npz")[k].tobytes() == want[k].tobytes(), k

@@ -14,6 +14,8 @@ after step N, "hang N" blocks its data reader at batch N, "ok" trains on.
 --hang-secs S: Config.hang_timeout_secs.
 --local-dir: a local checkpoint tier in DIR (each process's in DIR/process-<id>), saved
 every 3 steps.
+--die-uploading P:STEP: under a URL logdir, process P SIGKILLs itself in the middle of
+uploading its part of the checkpoint of STEP (after its first object).
 """
 
 import argparse
@@ -49,7 +51,12 @@ def main():
     p.add_argument("--hang-secs", type=float, default=None)
     p.add_argument("--heartbeat-secs", type=int, default=100)
     p.add_argument("--local-dir", default=None)
+    p.add_argument("--die-uploading", default=None)
     args = p.parse_args()
+    if args.die_uploading is not None:
+        who, step = map(int, args.die_uploading.split(":"))
+        if who == args.process_id:
+            die_uploading(step)
     plan = ["ok"]
     if args.plan:
         plan_file = f"{args.plan}.p{args.process_id}"
@@ -150,6 +157,24 @@ def main():
     print(f"RESULT {r.step} {r.stop_reason}", flush=True)
     if args.num_processes > 1:
         jax.distributed.shutdown()
+
+
+def die_uploading(step):
+    """SIGKILL this process once it has uploaded one object of its part of `step`."""
+    from loopkit import storage
+
+    upload = storage.upload_tree
+
+    def upload_then_die(local, url):
+        if not str(url).rstrip("/").endswith(f"-{step}"):
+            return upload(local, url)
+        fs, base = storage.filesystem(url)
+        first = sorted(p for p in __import__("pathlib").Path(local).rglob("*") if p.is_file())[0]
+        fs.put_file(str(first), f"{base}/{first.relative_to(local).as_posix()}")
+        print(f"DYING uploading {url}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    storage.upload_tree = upload_then_die
 
 
 if __name__ == "__main__":
