@@ -486,3 +486,22 @@ def test_a_process_killed_writing_its_part_leaves_no_named_checkpoint(
     want = d.load(ref / "p0.npz")
     for k in ("w", "b"):
         assert d.load(run / "p0.npz")[k].tobytes() == want[k].tobytes(), k
+
+
+def test_two_processes_npz_on_a_bucket_the_chief_uploads_the_replicas(store, tmp_path):
+    """npz holds host-local state only (replicas): each process writes it in its own
+    stage, and the chief's copy is the one object uploaded."""
+    d = _distributed()
+    ref, run = _dirs(tmp_path, "ref", "run")
+    url = store.url("run")
+    args = ("--save-steps", "5", "--host-local", "--backend", "npz")
+    d.finish(d.start(ref, ref, 2, 20, *args))
+    d.finish(d.start(url, run, 2, 10, *args))
+    outs = d.finish(d.start(url, run, 2, 20, *args))
+    assert all("READY 10" in out and "RESULT 20 max_steps" in out for _, out, _ in outs)
+    stored = {k.split("/", 1)[1] for k in store.objects("run/") if "model.ckpt-" in k}
+    assert stored == {f"model.ckpt-{s}.npz" for s in (5, 10, 15, 20)}  # one object each
+    want = d.load(ref / "p0.npz")
+    for i in (0, 1):
+        for k in ("w", "b"):
+            assert d.load(run / f"p{i}.npz")[k].tobytes() == want[k].tobytes(), (i, k)

@@ -14,6 +14,7 @@ after step N, "hang N" blocks its data reader at batch N, "ok" trains on.
 --hang-secs S: Config.hang_timeout_secs.
 --local-dir: a local checkpoint tier in DIR (each process's in DIR/process-<id>), saved
 every 3 steps.
+--backend NAME: Config.checkpoint_backend (default orbax).
 --die-uploading P:STEP: under a URL logdir, process P SIGKILLs itself in the middle of
 uploading its part of the checkpoint of STEP (after its first object).
 """
@@ -52,6 +53,7 @@ def main():
     p.add_argument("--heartbeat-secs", type=int, default=100)
     p.add_argument("--local-dir", default=None)
     p.add_argument("--die-uploading", default=None)
+    p.add_argument("--backend", default="orbax")
     args = p.parse_args()
     if args.die_uploading is not None:
         who, step = map(int, args.die_uploading.split(":"))
@@ -151,7 +153,8 @@ def main():
                       logdir=args.logdir, max_steps=args.max_steps, plugins=[Pace()],
                       save_model_secs=args.save_secs, save_model_steps=args.save_steps,
                       save_summaries_steps=5, progress=False,
-                      hang_timeout_secs=args.hang_secs, **tiers)
+                      hang_timeout_secs=args.hang_secs, checkpoint_backend=args.backend,
+                      **tiers)
     state = host(r.state)
     np.savez(args.out, w=state["w"], b=state["b"], step=r.step)
     print(f"RESULT {r.step} {r.stop_reason}", flush=True)
