@@ -103,6 +103,17 @@ class OrbaxBackend:
     shards it holds, its host-local leaves), written and read without waiting for
     the others (the local tier; orbax's emergency checkpointing writes its local
     checkpoints the same way).
+
+    ``own_files``: ``directory`` is this process's alone, a stage `StagedBackend`
+    uploads from, and each process writes its own part of each checkpoint there so
+    that the union of every process's files is the checkpoint. orbax then writes at
+    the checkpoint's own path with its commit file (as on GCS), not under a
+    temporary name only the primary renames; every process publishes its own part
+    by rename, unfsynced (the upload is the durable copy). With several processes
+    the arrays are stored without OCDBT (orbax's primary merges the per-process
+    databases when it finalises, and would see only its own) and without orbax's
+    per-process array metadata (the other processes would wait for a directory the
+    primary creates in its own stage). See docs/storage.md.
     """
 
     def __init__(self, directory: str | os.PathLike[str], basename: str = "model.ckpt",

@@ -12,6 +12,18 @@ its marker is there, and a partial upload left by a crash is never listed and
 is removed by the next run's first save. The staged copy is removed once
 uploaded. Reading downloads the checkpoint into the staging directory and reads
 it there. See docs/storage.md.
+
+Many processes. Each process stages in its own directory on its own disk and
+uploads only the files it wrote there; the local backend writes each process's
+part of a directory checkpoint so that their union is the checkpoint (the orbax
+backend's ``own_files``). The chief first removes what a crash left, then every
+process uploads, then a barrier (through the jax.distributed client, as the
+orbax backend's: this runs in the commit thread, beside the training step's
+collectives) waits for every part, and only then does the chief write the marker;
+a last barrier keeps every process from going on before it is committed. A file
+checkpoint is the chief's copy alone (npz holds replicas, the same everywhere).
+A restore downloads the whole checkpoint on every process (each then reads what
+it needs from its local copy).
 """
 
 from __future__ import annotations
@@ -36,6 +48,11 @@ log = logging.getLogger("loopkit")
 MARKER = "commit_success.txt"
 
 _STAGE = "loopkit-stage-"
+
+#: how long a process waits at an upload's barrier for the others (orbax's default, 300 s,
+#: is shorter than one process's upload of a big checkpoint); a process that died ends
+#: the wait sooner through jax.distributed's own failure detection
+BARRIER_SECS = 3600
 
 
 def local_or_staged(directory: Path | str, basename: str, make: Callable[[Path | str], Any]) -> Any:
@@ -171,7 +188,7 @@ class StagedBackend:
         import orbax.checkpoint as ocp
 
         ocp.multihost.sync_global_processes(
-            f"loopkit-upload-{name}", processes=self._processes,
+            f"loopkit-upload-{name}", timeout=BARRIER_SECS, processes=self._processes,
             barrier_sync_fn=ocp.multihost.get_barrier_sync_fn(processes=self._processes))
 
     def _remove_partial(self) -> None:
