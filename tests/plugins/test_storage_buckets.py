@@ -429,6 +429,10 @@ def test_two_processes_sigkilled_on_a_bucket_resume_bitwise_and_others_read_it(
 
     outs = d.finish(d.start(url, run, 2, 120, *SHARDED, devices=2))
     assert all(f"READY {step}" in out and "RESULT 120 max_steps" in out for _, out, _ in outs)
+    # each process downloaded its own shards of `w` only, not the other process's 2
+    total = len(keys) - 1  # all but the marker
+    assert all(f"FETCHED {total - 2} of {total}" in out for _, out, _ in outs), \
+        [out for _, out, _ in outs]
     want = d.load(ref / "p0.npz")
     for i in (0, 1):
         got = d.load(run / f"p{i}.npz")

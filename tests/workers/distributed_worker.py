@@ -130,6 +130,10 @@ def main():
             local = all(x.is_fully_addressable for x in jax.tree.leaves(session.state))
             print(f"READY {session.step} host_local={local}", flush=True)
             print(f"TIER {session.stash.get(RESTORED_TIER)}", flush=True)
+            backend = session.plugin_manager.get_plugin("checkpoint").backend
+            fetched = getattr(backend, "last_fetch", None)  # a URL logdir: what it downloaded
+            if fetched is not None:
+                print(f"FETCHED {fetched[0]} of {fetched[1]}", flush=True)
             for name, x in sorted(session.state.items()):  # where each leaf now lives
                 # from the sharding: JAX 0.10's `addressable_shards` raises for an init
                 # leaf `device_put` to a multi-process sharding (a JAX quirk, seen here)

@@ -69,7 +69,7 @@ import numpy as np
 from loopkit.errors import CheckpointError
 from loopkit.fs import fsync_dir, fsync_tree
 from loopkit.plugins.checkpoint.backends.orbax_layout import (
-    HEAD_KEY as _KEY, VERSION as _VERSION, Head, sequence_nodes,
+    HEAD_KEY as _KEY, VERSION as _VERSION, Head, objects_needed, sequence_nodes,
 )
 from loopkit.plugins.checkpoint.backends.orbax_read import (
     read_head, restore_some, restore_tree, structure_of,
@@ -371,6 +371,12 @@ class OrbaxBackend:
         if self._pending == step:
             self.wait()
         return restore_tree(self._reader, self.path(step), self._head(step), like)
+
+    def objects_needed(self, names: list[str], read_json: Any, like: Any) -> list[str] | None:
+        """Of a checkpoint's files (``names``, relative), those a restore into ``like`` on
+        this process reads; None for all (`StagedBackend` downloads only those): a leaf
+        sharded over several processes needs only its addressable shards' chunks."""
+        return objects_needed(names, read_json, like)
 
     def structure(self, step: int) -> dict[str, Any]:
         """Leaf path -> shape and dtype of every leaf of ``step``, without reading array data."""

@@ -22,12 +22,14 @@ orbax backend's: this runs in the commit thread, beside the training step's
 collectives) waits for every part, and only then does the chief write the marker;
 a last barrier keeps every process from going on before it is committed. A file
 checkpoint is the chief's copy alone (npz holds replicas, the same everywhere).
-A restore downloads the whole checkpoint on every process (each then reads what
-it needs from its local copy).
+A restore downloads on each process what it reads: the objects the local
+backend's ``objects_needed`` names for ``like`` (orbax: a leaf sharded over
+processes, only the chunks of this process's shards), else the whole checkpoint.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -110,7 +112,9 @@ class StagedBackend:
         suffix = self.local_name(0)[len(f"{basename}-0"):]
         self._name = re.compile(re.escape(basename) + r"-(0|[1-9][0-9]*)" + re.escape(suffix))
         self._pending: int | None = None  # saved locally, not yet uploaded
-        self._fetched: set[int] = set()  # downloaded into the stage for reading
+        self._fetched: set[int] = set()  # downloaded whole into the stage for reading
+        #: (objects downloaded, objects in the checkpoint) by the latest read
+        self.last_fetch: tuple[int, int] | None = None
         self._cleaned = False
 
     def local_name(self, step: int) -> str:
@@ -232,25 +236,46 @@ class StagedBackend:
 
     # -- reading --
 
-    def _fetch(self, step: int) -> None:
-        """Download ``step`` into the stage, where the local backend reads it."""
+    def _fetch(self, step: int, like: Any = None) -> None:
+        """Download ``step`` into the stage, where the local backend reads it.
+
+        With ``like``, a local backend that has ``objects_needed(names, read_json, like)``
+        names the objects this process reads (its own shards of leaves sharded over
+        processes): only those are downloaded. Without, the whole checkpoint.
+        """
         if step in self._fetched:
             return
         url, dst = self.path(step), Path(self.local.path(step))
         fs, base = storage.filesystem(url)
         self._discard_local(step)
-        if fs.isdir(base):
-            if not fs.exists(f"{base}/{MARKER}"):
-                raise FileNotFoundError(f"checkpoint {url} is not committed (no {MARKER})")
-            fs.get(base + "/", str(dst) + "/", recursive=True)
-            (dst / MARKER).unlink(missing_ok=True)
-        else:
+        if not fs.isdir(base):
             fs.get_file(base, str(dst))  # FileNotFoundError when there is none
-        self._fetched.add(step)
+            self._fetched.add(step)
+            return
+        if not fs.exists(f"{base}/{MARKER}"):
+            raise FileNotFoundError(f"checkpoint {url} is not committed (no {MARKER})")
+        names = sorted(p[len(base) + 1:] for p in fs.find(base) if p.startswith(base + "/"))
+        names = [n for n in names if n != MARKER]
+        needed = getattr(self.local, "objects_needed", None)
+        wanted = None
+        if like is not None and needed is not None:
+            wanted = needed(names, lambda n: json.loads(fs.cat_file(f"{base}/{n}")), like)
+        whole = wanted is None or len(wanted) == len(names)
+        wanted = names if wanted is None else wanted
+        for parent in {(dst / n).parent for n in wanted} | {dst}:
+            parent.mkdir(parents=True, exist_ok=True)
+        fs.get([f"{base}/{n}" for n in wanted], [str(dst / n) for n in wanted])
+        self.last_fetch = (len(wanted), len(names))
+        if whole:  # a part is read once, by the restore it was chosen for
+            self._fetched.add(step)
 
     def restore(self, step: int, like: Any = None) -> tuple[Any, dict]:
-        self._fetch(step)
-        return self.local.restore(step, like)
+        self._fetch(step, like)
+        try:
+            return self.local.restore(step, like)
+        finally:
+            if step not in self._fetched:
+                self._discard_local(step)  # a part: another `like` may need other parts
 
     def structure(self, step: int) -> dict[str, Any]:
         self._fetch(step)
