@@ -430,7 +430,10 @@ def test_two_processes_sigkilled_on_a_bucket_resume_bitwise_and_others_read_it(
     outs = d.finish(d.start(url, run, 2, 120, *SHARDED, devices=2))
     assert all(f"READY {step}" in out and "RESULT 120 max_steps" in out for _, out, _ in outs)
     # each process downloaded its own shards of `w` only, not the other process's 2
-    total = len(keys) - 1  # all but the marker
+    # the checkpoint's own objects: all but the marker and each process's report
+    total = len([k for k in keys if not k.endswith((MARKER, ".loopkit-part-0",
+                                                    ".loopkit-part-1"))])
+    assert total == len(keys) - 3
     assert all(f"FETCHED {total - 2} of {total}" in out for _, out, _ in outs), \
         [out for _, out, _ in outs]
     want = d.load(ref / "p0.npz")
@@ -487,6 +490,31 @@ def test_a_process_killed_writing_its_part_leaves_no_named_checkpoint(
     assert not store.objects("run/model.ckpt-10/")
     assert "a checkpoint whose upload never finished" in outs[0][2]
     outs = d.finish(d.start(url, run, 2, 20, *SHARDED, devices=2))
+    want = d.load(ref / "p0.npz")
+    for k in ("w", "b"):
+        assert d.load(run / "p0.npz")[k].tobytes() == want[k].tobytes(), k
+
+
+def test_a_failed_upload_of_one_part_fails_the_save_on_every_process(
+        store, tmp_path, quick_lease):
+    d = _distributed()
+    ref, run = _dirs(tmp_path, "ref", "run")
+    url = store.url("run")
+    d.finish(d.start(ref, ref, 2, 20, *SHARDED, devices=2))
+
+    # process 1's upload of step 10 raises after its first object: it reports no part,
+    # the chief writes no marker, and both fail the save (neither waits for the other)
+    outs = d.finish(d.start(url, run, 2, 20, *SHARDED, "--fail-uploading", "1:10",
+                            devices=2), ok=False)
+    errors = [err for _, _, err in outs]
+    assert "injected upload failure" in errors[1], errors[1][-3000:]
+    assert "process 1 did not report its part uploaded" in errors[0], errors[0][-3000:]
+    partial = store.objects("run/model.ckpt-10/")
+    assert partial and f"run/model.ckpt-10/{MARKER}" not in partial
+    assert loopkit.latest_checkpoint(url) == (5, f"{url}/model.ckpt-5")
+
+    outs = d.finish(d.start(url, run, 2, 20, *SHARDED, devices=2))
+    assert all("READY 5" in out and "RESULT 20 max_steps" in out for _, out, _ in outs)
     want = d.load(ref / "p0.npz")
     for k in ("w", "b"):
         assert d.load(run / "p0.npz")[k].tobytes() == want[k].tobytes(), k

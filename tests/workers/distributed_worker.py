@@ -15,6 +15,8 @@ after step N, "hang N" blocks its data reader at batch N, "ok" trains on.
 --local-dir: a local checkpoint tier in DIR (each process's in DIR/process-<id>), saved
 every 3 steps.
 --backend NAME: Config.checkpoint_backend (default orbax).
+--fail-uploading P:STEP: under a URL logdir, process P's upload of its part of the
+checkpoint of STEP raises OSError (a network error).
 --die-uploading P:STEP: under a URL logdir, process P SIGKILLs itself in the middle of
 uploading its part of the checkpoint of STEP (after its first object).
 """
@@ -54,11 +56,16 @@ def main():
     p.add_argument("--local-dir", default=None)
     p.add_argument("--die-uploading", default=None)
     p.add_argument("--backend", default="orbax")
+    p.add_argument("--fail-uploading", default=None)
     args = p.parse_args()
     if args.die_uploading is not None:
         who, step = map(int, args.die_uploading.split(":"))
         if who == args.process_id:
             die_uploading(step)
+    if args.fail_uploading is not None:
+        who, step = map(int, args.fail_uploading.split(":"))
+        if who == args.process_id:
+            die_uploading(step, fail=True)
     plan = ["ok"]
     if args.plan:
         plan_file = f"{args.plan}.p{args.process_id}"
@@ -166,8 +173,9 @@ def main():
         jax.distributed.shutdown()
 
 
-def die_uploading(step):
-    """SIGKILL this process once it has uploaded one object of its part of `step`."""
+def die_uploading(step, fail=False):
+    """SIGKILL this process once it has uploaded one object of its part of `step`
+    (`fail`: raise OSError there instead)."""
     from loopkit import storage
 
     upload = storage.upload_tree
@@ -178,6 +186,8 @@ def die_uploading(step):
         fs, base = storage.filesystem(url)
         first = sorted(p for p in __import__("pathlib").Path(local).rglob("*") if p.is_file())[0]
         fs.put_file(str(first), f"{base}/{first.relative_to(local).as_posix()}")
+        if fail:
+            raise OSError(f"injected upload failure after the first object of {url}")
         print(f"DYING uploading {url}", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
 

@@ -17,10 +17,13 @@ Many processes. Each process stages in its own directory on its own disk and
 uploads only the files it wrote there; the local backend writes each process's
 part of a directory checkpoint so that their union is the checkpoint (the orbax
 backend's ``own_files``). The chief first removes what a crash left, then every
-process uploads, then a barrier (through the jax.distributed client, as the
-orbax backend's: this runs in the commit thread, beside the training step's
-collectives) waits for every part, and only then does the chief write the marker;
-a last barrier keeps every process from going on before it is committed. A file
+process uploads and reports its part written (an object `PART` of its own), then
+a barrier (through the jax.distributed client, as the orbax backend's: this runs
+in the commit thread, beside the training step's collectives) waits for every
+process, and only then does the chief write the marker, if every report is
+there; a last barrier keeps every process from going on before it is decided. A
+process whose upload failed takes part in the barriers all the same, so no
+marker is written and every process fails the save, without waiting. A file
 checkpoint is the chief's copy alone (npz holds replicas, the same everywhere).
 A restore downloads on each process what it reads: the objects the local
 backend's ``objects_needed`` names for ``like`` (orbax: a leaf sharded over
@@ -41,7 +44,7 @@ from typing import Any, Callable, Sequence
 from loopkit import storage
 from loopkit.errors import CheckpointError
 
-__all__ = ["MARKER", "StagedBackend", "local_or_staged", "refuse_url"]
+__all__ = ["MARKER", "PART", "StagedBackend", "local_or_staged", "refuse_url"]
 
 log = logging.getLogger("loopkit")
 
@@ -50,6 +53,10 @@ log = logging.getLogger("loopkit")
 MARKER = "commit_success.txt"
 
 _STAGE = "loopkit-stage-"
+
+#: the object with which a process reports its part of a checkpoint uploaded (many
+#: processes); the chief writes `MARKER` only once every process's is there
+PART = ".loopkit-part-{}"
 
 #: how long a process waits at an upload's barrier for the others (orbax's default, 300 s,
 #: is shorter than one process's upload of a big checkpoint); a process that died ends
@@ -103,7 +110,8 @@ class StagedBackend:
 
         self.url = url
         self._processes = set(range(jax.process_count()))
-        self._chief = jax.process_index() == 0
+        self._index = jax.process_index()
+        self._chief = self._index == 0
         self._uploads = 0  # names each upload's barriers (the same on every process)
         self.basename = basename
         _remove_dead_stages()
@@ -149,43 +157,80 @@ class StagedBackend:
         """Upload ``step``: every process its own files, then the chief the marker.
 
         A directory checkpoint: the chief clears what a crash left, every process
-        uploads the files it wrote (the union is the checkpoint), and once all have
-        (a barrier) the chief writes the marker, which commits it. A file checkpoint
-        is one object, the chief's copy (every process wrote the same replicas).
+        uploads the files it wrote (the union is the checkpoint) and then reports its
+        part written with an object of its own (`PART`, with many processes); once
+        all have passed a barrier, the chief writes the marker, which commits it, if
+        every report is there. A process whose upload failed still takes part in the
+        barriers (none waits for it) and reports nothing: no marker is written, and
+        every process raises. A file checkpoint is one object, the chief's copy
+        (every process wrote the same replicas).
         """
         src, dst = Path(self.local.path(step)), self.path(step)
         fs, base = storage.filesystem(dst)
         self._uploads += 1
         phase = f"{self.basename}-{step}-{self._uploads}"
+        many = len(self._processes) > 1
+        error: BaseException | None = None
+        directory = src.is_dir()
         try:
-            if src.is_dir():
+            if directory:
                 # a commit file the local backend wrote (orbax's, with `own_files`) is not
                 # uploaded: the marker goes up last, once every process's part is there
                 (src / MARKER).unlink(missing_ok=True)
-                if self._chief:
-                    if not self._cleaned:  # only a writer cleans: a reader may watch a save
-                        self._remove_partial()
-                        self._cleaned = True
-                    storage.remove(dst)  # a partial upload of this step, or the one it replaces
-                self._barrier(f"{phase}-cleared")
-                storage.upload_tree(src, dst)
-                self._barrier(f"{phase}-written")  # every process's part is in the store
-                if self._chief:
-                    fs.pipe_file(f"{base}/{MARKER}", b"")  # last: commits the upload
-            elif self._chief:
-                fs.put_file(str(src), base)
-        except Exception as e:
-            raise CheckpointError(f"uploading checkpoint {dst} failed: {e}") from e
-        self._barrier(f"{phase}-committed")  # no process goes on before it is committed
+            if self._chief and directory:
+                if not self._cleaned:  # only a writer cleans: a reader may watch a save
+                    self._remove_partial()
+                    self._cleaned = True
+                storage.remove(dst)  # a partial upload of this step, or the one it replaces
+        except Exception as e:  # noqa: BLE001 - raised below, after the barriers
+            error = e
+        self._barrier(f"{phase}-cleared")
+        if error is None:
+            try:
+                if directory:
+                    storage.upload_tree(src, dst)
+                    if many:
+                        fs.pipe_file(f"{base}/{PART.format(self._index)}", b"")
+                elif self._chief:
+                    fs.put_file(str(src), base)
+            except Exception as e:  # noqa: BLE001 - raised below, after the barriers
+                error = e
+        self._barrier(f"{phase}-written")  # every process's upload has ended
+        if error is None and self._chief and directory:
+            try:
+                if many:
+                    fs.invalidate_cache(base)
+                    found = {Path(p).name for p in fs.ls(base, detail=False)}
+                    missing = sorted(i for i in self._processes
+                                     if PART.format(i) not in found)
+                    if missing:
+                        raise CheckpointError(
+                            f"process{'es' if len(missing) > 1 else ''} "
+                            f"{', '.join(map(str, missing))} did not report "
+                            "its part uploaded (its own output has the error)")
+                fs.pipe_file(f"{base}/{MARKER}", b"")  # last: commits the upload
+            except Exception as e:  # noqa: BLE001 - raised below, after the barrier
+                error = e
+        self._barrier(f"{phase}-committed")  # no process goes on before it is decided
         fs.invalidate_cache(base)
+        if error is None and many and not self._chief:
+            try:  # whether the chief committed it (it did not if a part failed)
+                if not fs.exists(f"{base}/{MARKER}" if directory else base):
+                    error = CheckpointError("it was not committed: another process failed "
+                                            "(that process's output has the error)")
+            except Exception as e:  # noqa: BLE001
+                error = e
+        if error is not None:
+            raise CheckpointError(f"uploading checkpoint {dst} failed: {error}") from error
 
     def _barrier(self, name: str) -> None:
         """Wait until every process reaches ``name`` (none with one process).
 
         Through the jax.distributed client, as the orbax backend's barriers: uploads run
         in the commit thread, where a device collective would interleave with the
-        training step's own. A process that failed never arrives: the others raise
-        when the barrier times out.
+        training step's own. A process whose upload failed arrives all the same; one
+        that died never does: the others raise when the barrier times out, unless
+        jax.distributed's failure detection ends them first.
         """
         if len(self._processes) < 2:
             return
@@ -255,7 +300,7 @@ class StagedBackend:
         if not fs.exists(f"{base}/{MARKER}"):
             raise FileNotFoundError(f"checkpoint {url} is not committed (no {MARKER})")
         names = sorted(p[len(base) + 1:] for p in fs.find(base) if p.startswith(base + "/"))
-        names = [n for n in names if n != MARKER]
+        names = [n for n in names if n != MARKER and not n.startswith(PART.format(""))]
         needed = getattr(self.local, "objects_needed", None)
         wanted = None
         if like is not None and needed is not None:
