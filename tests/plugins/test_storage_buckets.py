@@ -520,6 +520,27 @@ def test_a_failed_upload_of_one_part_fails_the_save_on_every_process(
         assert d.load(run / "p0.npz")[k].tobytes() == want[k].tobytes(), k
 
 
+def test_a_blocked_process_on_a_bucket_ends_both_and_the_reports_go_there(
+        store, tmp_path, quick_lease):
+    """The hang watchdog on a URL logdir: the same exit and reports as on a local one;
+    and the chief's events and goodput ledger are mirrored there."""
+    d = _distributed()
+    url = store.url("run")
+    procs = d.start(url, tmp_path, 2, 60, "--save-steps", "4", "--hang-secs", "5",
+                    *d.plan(tmp_path / "plan", ["ok"], ["hang 20"]))
+    outs = d.finish(procs, ok=False)
+    assert [code for code, _, _ in outs] == [75, 75], [o[2][-2000:] for o in outs]
+    reports = [k for k in store.objects("run/") if k.startswith("run/hangs/")]
+    assert [k.split("/")[-1].split("-")[1] for k in sorted(reports)] == ["0", "1"]
+    for key in reports:
+        text = store.fs.cat_file(f"{store.bucket}/{key}").decode()
+        assert "process 1 is behind" in text or "process 1 is at step" in text, text[:3000]
+    names = [k.split("/")[1] for k in store.objects("run/") if k.count("/") == 1]
+    assert len([n for n in names if n.startswith("events.out.tfevents.")]) == 1  # the chief's
+    assert "goodput.jsonl" in names
+    assert "model.ckpt-" in storage.read_bytes(f"{url}/checkpoint").decode()
+
+
 def test_two_processes_npz_on_a_bucket_the_chief_uploads_the_replicas(store, tmp_path):
     """npz holds host-local state only (replicas): each process writes it in its own
     stage, and the chief's copy is the one object uploaded."""
