@@ -458,6 +458,22 @@ def test_two_processes_sigkilled_on_a_bucket_resume_bitwise_and_others_read_it(
                                rtol=1e-5, atol=1e-6)  # 1 process sums the batch in another order
 
 
+def test_a_one_process_checkpoint_on_a_bucket_resumes_on_two(store, tmp_path, quick_lease):
+    """The job grew: a checkpoint one process wrote (OCDBT) is read whole by each of 2."""
+    d = _distributed()
+    one, two = _dirs(tmp_path, "one", "two")
+    url = store.url("run")
+    d.finish(d.start(url, one, 1, 10, *SHARDED, devices=2))
+    saved = d.load(one / "p0.npz")
+    assert any(k.endswith("manifest.ocdbt") for k in store.objects("run/model.ckpt-10/"))
+    outs = d.finish(d.start(url, two, 2, 15, *SHARDED, devices=2))
+    assert all("READY 10" in out and "RESULT 15 max_steps" in out for _, out, _ in outs)
+    for i in (0, 1):
+        started = d.load(two / f"p{i}.npz.ready.npz")
+        for k in ("w", "b"):
+            assert started[k].tobytes() == saved[k].tobytes(), (i, k)
+
+
 def test_a_process_killed_writing_its_part_leaves_no_named_checkpoint(
         store, tmp_path, quick_lease):
     d = _distributed()
