@@ -557,6 +557,28 @@ def test_a_blocked_process_on_a_bucket_ends_both_and_the_reports_go_there(
     assert "model.ckpt-" in storage.read_bytes(f"{url}/checkpoint").decode()
 
 
+def test_two_processes_with_local_tiers_and_a_bucket_resume_from_the_local_tiers(
+        store, tmp_path, quick_lease):
+    """The durable tier on a bucket, each process's local tier on its own disk: a job
+    SIGKILLed after local saves newer than the durable one resumes from the local tiers,
+    bitwise."""
+    d = _distributed()
+    ref, run, local = _dirs(tmp_path, "ref", "run", "local")
+    url = store.url("run")
+    common = ("--save-steps", "10", "--shard-state", "--step-sleep", "0.05")
+    d.finish(d.start(ref, ref, 2, 30, *common, devices=2))
+    tiers = ("--local-dir", str(local), *d.plan(run / "plan", ["crash 14", "ok"],
+                                                ["crash 14", "ok"]))
+    d.finish(d.start(url, run, 2, 30, *common, *tiers, devices=2), ok=False)  # SIGKILLed
+    assert loopkit.latest_checkpoint(url)[0] == 10
+    outs = d.finish(d.start(url, run, 2, 30, *common, *tiers, devices=2))
+    assert all("READY 12 " in out and "TIER local" in out and "RESULT 30 max_steps" in out
+               for _, out, _ in outs), outs
+    for k in ("w", "b"):
+        assert d.load(run / "p0.npz")[k].tobytes() == d.load(ref / "p0.npz")[k].tobytes(), k
+    assert loopkit.latest_checkpoint(url) == (30, f"{url}/model.ckpt-30")
+
+
 def test_two_processes_npz_on_a_bucket_the_chief_uploads_the_replicas(store, tmp_path):
     """npz holds host-local state only (replicas): each process writes it in its own
     stage, and the chief's copy is the one object uploaded."""
