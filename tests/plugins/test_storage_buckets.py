@@ -511,19 +511,21 @@ def test_a_process_killed_writing_its_part_leaves_no_named_checkpoint(
         assert d.load(run / "p0.npz")[k].tobytes() == want[k].tobytes(), k
 
 
+@pytest.mark.parametrize("option,error", [("--fail-uploading", "injected upload failure"),
+                                          ("--fail-local-save", "injected local save failure")])
 def test_a_failed_upload_of_one_part_fails_the_save_on_every_process(
-        store, tmp_path, quick_lease):
+        store, tmp_path, quick_lease, option, error):
     d = _distributed()
     ref, run = _dirs(tmp_path, "ref", "run")
     url = store.url("run")
     d.finish(d.start(ref, ref, 2, 20, *SHARDED, devices=2))
 
-    # process 1's upload of step 10 raises after its first object: it reports no part,
-    # the chief writes no marker, and both fail the save (neither waits for the other)
-    outs = d.finish(d.start(url, run, 2, 20, *SHARDED, "--fail-uploading", "1:10",
-                            devices=2), ok=False)
+    # process 1's upload of step 10 raises after its first object (or its local save
+    # fails before the upload): it reports no part, the chief writes no marker, and both
+    # fail the save (neither waits for the other)
+    outs = d.finish(d.start(url, run, 2, 20, *SHARDED, option, "1:10", devices=2), ok=False)
     errors = [err for _, _, err in outs]
-    assert "injected upload failure" in errors[1], errors[1][-3000:]
+    assert error in errors[1], errors[1][-3000:]
     assert "process 1 did not report its part uploaded" in errors[0], errors[0][-3000:]
     partial = store.objects("run/model.ckpt-10/")
     assert partial and f"run/model.ckpt-10/{MARKER}" not in partial

@@ -17,6 +17,8 @@ every 3 steps.
 --backend NAME: Config.checkpoint_backend (default orbax).
 --fail-uploading P:STEP: under a URL logdir, process P's upload of its part of the
 checkpoint of STEP raises OSError (a network error).
+--fail-local-save P:STEP: process P's orbax save of STEP raises OSError once orbax has
+written it (a full local disk, say), before it is uploaded.
 --die-uploading P:STEP: under a URL logdir, process P SIGKILLs itself in the middle of
 uploading its part of the checkpoint of STEP (after its first object).
 """
@@ -57,6 +59,7 @@ def main():
     p.add_argument("--die-uploading", default=None)
     p.add_argument("--backend", default="orbax")
     p.add_argument("--fail-uploading", default=None)
+    p.add_argument("--fail-local-save", default=None)
     args = p.parse_args()
     if args.die_uploading is not None:
         who, step = map(int, args.die_uploading.split(":"))
@@ -66,6 +69,10 @@ def main():
         who, step = map(int, args.fail_uploading.split(":"))
         if who == args.process_id:
             die_uploading(step, fail=True)
+    if args.fail_local_save is not None:
+        who, step = map(int, args.fail_local_save.split(":"))
+        if who == args.process_id:
+            fail_local_save(step)
     plan = ["ok"]
     if args.plan:
         plan_file = f"{args.plan}.p{args.process_id}"
@@ -192,6 +199,21 @@ def die_uploading(step, fail=False):
         os.kill(os.getpid(), signal.SIGKILL)
 
     storage.upload_tree = upload_then_die
+
+
+def fail_local_save(step):
+    """The orbax backend's save of `step` on this process fails once orbax has written it."""
+    from loopkit.plugins.checkpoint.backends.orbax import OrbaxBackend
+
+    wait = OrbaxBackend.wait
+
+    def wait_then_fail(self):
+        pending = self._pending
+        wait(self)
+        if pending == step:
+            raise OSError(f"injected local save failure of step {step}")
+
+    OrbaxBackend.wait = wait_then_fail
 
 
 if __name__ == "__main__":

@@ -148,12 +148,20 @@ class StagedBackend:
         if step is None:
             return
         try:
-            self.local.wait()
-            self._upload(step)
+            try:
+                self.local.wait()
+            except BaseException as e:
+                if len(self._processes) < 2:
+                    raise
+                # through the upload's barriers all the same (it raises at their end), so
+                # that no other process waits for this one
+                self._upload(step, failed=e)
+            else:
+                self._upload(step)
         finally:
             self._discard_local(step)
 
-    def _upload(self, step: int) -> None:
+    def _upload(self, step: int, failed: BaseException | None = None) -> None:
         """Upload ``step``: every process its own files, then the chief the marker.
 
         A directory checkpoint: the chief clears what a crash left, every process
@@ -162,22 +170,25 @@ class StagedBackend:
         all have passed a barrier, the chief writes the marker, which commits it, if
         every report is there. A process whose upload failed still takes part in the
         barriers (none waits for it) and reports nothing: no marker is written, and
-        every process raises. A file checkpoint is one object, the chief's copy
-        (every process wrote the same replicas).
+        every process raises. So does a process whose local save ``failed`` (raised
+        here, chained). A file checkpoint is one object, the chief's copy (every
+        process wrote the same replicas).
         """
         src, dst = Path(self.local.path(step)), self.path(step)
         fs, base = storage.filesystem(dst)
         self._uploads += 1
         phase = f"{self.basename}-{step}-{self._uploads}"
         many = len(self._processes) > 1
-        error: BaseException | None = None
+        error: BaseException | None = failed
         directory = src.is_dir()
         try:
-            if directory:
+            if error is not None:
+                pass  # nothing of this process's to upload
+            elif directory:
                 # a commit file the local backend wrote (orbax's, with `own_files`) is not
                 # uploaded: the marker goes up last, once every process's part is there
                 (src / MARKER).unlink(missing_ok=True)
-            if self._chief and directory:
+            if error is None and self._chief and directory:
                 if not self._cleaned:  # only a writer cleans: a reader may watch a save
                     self._remove_partial()
                     self._cleaned = True
