@@ -68,7 +68,10 @@ def local_or_staged(directory: Path | str, basename: str, make: Callable[[Path |
     """``make(directory)`` for a local directory; under a URL, `StagedBackend` over ``make``.
 
     What a plugin's `checkpoint_backend` hook returns for a backend that writes local
-    files, so that it works under ``s3://`` and ``gs://`` logdirs too.
+    files, so that it works under ``s3://`` and ``gs://`` logdirs too. With many
+    processes each process's ``make`` gets a directory of its own: a directory
+    checkpoint is the union of what every process wrote there (each writes its own
+    files, none another's), a file checkpoint is the chief's.
     """
     if storage.is_url(directory):
         return StagedBackend(str(directory), basename, make)
