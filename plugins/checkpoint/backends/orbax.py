@@ -69,7 +69,7 @@ import numpy as np
 from loopkit.errors import CheckpointError
 from loopkit.fs import fsync_dir, fsync_tree
 from loopkit.plugins.checkpoint.backends.orbax_layout import (
-    HEAD_KEY as _KEY, VERSION as _VERSION, Head, sequence_nodes,
+    HEAD_KEY as _KEY, VERSION as _VERSION, Head, objects_needed, sequence_nodes,
 )
 from loopkit.plugins.checkpoint.backends.orbax_read import (
     read_head, restore_some, restore_tree, structure_of,
@@ -103,6 +103,17 @@ class OrbaxBackend:
     shards it holds, its host-local leaves), written and read without waiting for
     the others (the local tier; orbax's emergency checkpointing writes its local
     checkpoints the same way).
+
+    ``own_files``: ``directory`` is this process's alone, a stage `StagedBackend`
+    uploads from, and each process writes its own part of each checkpoint there so
+    that the union of every process's files is the checkpoint. orbax then writes at
+    the checkpoint's own path with its commit file (as on GCS), not under a
+    temporary name only the primary renames; every process publishes its own part
+    by rename, unfsynced (the upload is the durable copy). With several processes
+    the arrays are stored without OCDBT (orbax's primary merges the per-process
+    databases when it finalises, and would see only its own) and without orbax's
+    per-process array metadata (the other processes would wait for a directory the
+    primary creates in its own stage). See docs/storage.md.
     """
 
     def __init__(self, directory: str | os.PathLike[str], basename: str = "model.ckpt",
@@ -110,20 +121,28 @@ class OrbaxBackend:
                  use_zarr3: bool = True, use_compression: bool = False,
                  save_concurrent_gb: int | None = None,
                  restore_concurrent_gb: int | None = None,
-                 process_local: bool = False) -> None:
+                 process_local: bool = False, own_files: bool = False) -> None:
         import orbax.checkpoint as ocp
 
         refuse_url(directory, type(self).__name__)
         self.directory = Path(directory)
         self.basename = basename
         self.config = config
+        # own_files: `directory` is this process's alone (a stage `StagedBackend` uploads
+        # from): each process writes its own part of each checkpoint there, and the union
+        # of every process's files is the checkpoint (see the class docstring)
+        self.own_files = bool(own_files)
+        many = jax.process_count() > 1
+        if self.own_files and many:
+            # orbax's primary merges the per-process OCDBT databases in its finalize, and
+            # needs to see them all: with each process in its own directory, it cannot
+            use_ocdbt = False
         self._zarr3 = bool(use_zarr3)  # recorded in the head: how to read the arrays back
         self._name = re.compile(re.escape(basename) + r"-(0|[1-9][0-9]*)")
         self._stale = re.compile(
             r"\.?" + re.escape(basename) + r"-[0-9]+(" + re.escape(_TMP_SUFFIX) + r".*|"
             + re.escape(_STAGING) + r".*|\.replaced)")
         self._saves = 0  # names each save's publish barrier (the same on every process)
-        many = jax.process_count() > 1
         if process_local and many:
             # This process's own checkpoints in a directory of its own (the local tier
             # of a job of many processes): every process is the primary of its own
@@ -147,13 +166,19 @@ class OrbaxBackend:
                        restore_concurrent_gb=restore_concurrent_gb,
                        multiprocessing_options=multiprocessing)
 
-        def checkpointer(handler: Any) -> Any:
-            return ocp.Checkpointer(handler, multiprocessing_options=multiprocessing)
+        def checkpointer(handler: Any, **kw: Any) -> Any:
+            return ocp.Checkpointer(handler, multiprocessing_options=multiprocessing, **kw)
 
         # used by the save thread only: numpy arrays written in one batch, not copied
         # again (see _write and `orbax_writer`)
-        self._writer = Saver(**options)
-        self._saver = checkpointer(self._writer.handler)
+        self._writer = Saver(array_metadata=not (self.own_files and many), **options)
+        # own_files: orbax writes at the final path and marks it with its commit file
+        # (as on GCS), not under a temporary name that only the primary renames: the
+        # other processes' files would be left under that name in their own directories
+        self._saver = checkpointer(
+            self._writer.handler, **({"temporary_path_class":
+                                      ocp.path.atomicity.CommitFileTemporaryPath}
+                                     if self.own_files else {}))
         self._reader = checkpointer(ocp.PyTreeCheckpointHandler(**options))  # caller's thread
         self._primary = multiprocessing.primary_host is None or ocp.multihost.is_primary_host(0)
         self._thread: threading.Thread | None = None
@@ -235,7 +260,7 @@ class OrbaxBackend:
         try:
             with saving_lock(self.directory):
                 trash = final.with_name(f".{final.name}.replaced")
-                if self._primary and final.exists():
+                if (self._primary or self.own_files) and final.exists():
                     # Replacing a step: move the old one aside (atomically: a reader
                     # never meets a half-removed tree); orbax refuses to write over a
                     # directory. Other processes look only after orbax's start barrier.
@@ -257,6 +282,15 @@ class OrbaxBackend:
                 except BaseException:
                     self._writer.abandon()  # no write may outlive the save that began it
                     raise
+                if self.own_files:
+                    # this process's part, published in its own directory; not fsynced:
+                    # the durable copy is the upload (`StagedBackend`), not this one
+                    if staging.exists():
+                        os.rename(staging, final)
+                    else:
+                        final.mkdir()  # this process had nothing of its own to write
+                    shutil.rmtree(trash, ignore_errors=True)
+                    return
                 if self._primary:
                     fsync_tree(staging)
                     os.rename(staging, final)
@@ -337,6 +371,12 @@ class OrbaxBackend:
         if self._pending == step:
             self.wait()
         return restore_tree(self._reader, self.path(step), self._head(step), like)
+
+    def objects_needed(self, names: list[str], read_json: Any, like: Any) -> list[str] | None:
+        """Of a checkpoint's files (``names``, relative), those a restore into ``like`` on
+        this process reads; None for all (`StagedBackend` downloads only those): a leaf
+        sharded over several processes needs only its addressable shards' chunks."""
+        return objects_needed(names, read_json, like)
 
     def structure(self, step: int) -> dict[str, Any]:
         """Leaf path -> shape and dtype of every leaf of ``step``, without reading array data."""

@@ -16,8 +16,8 @@ import numpy as np
 
 from loopkit.plugins.checkpoint.backends.records import LeafRecord
 
-__all__ = ["HEAD_KEY", "READS", "VERSION", "Head", "is_orbax_tree", "sequence_nodes",
-           "split_kvstore"]
+__all__ = ["HEAD_KEY", "READS", "VERSION", "Head", "is_orbax_tree", "objects_needed",
+           "sequence_nodes", "split_kvstore"]
 
 #: the key of loopkit's head in the step metadata's ``custom_metadata``
 HEAD_KEY = "loopkit"
@@ -83,3 +83,62 @@ def split_kvstore(spec: dict, name: str) -> tuple[dict, dict] | None:
     if not (isinstance(path, str) and path.rstrip("/").endswith(name)):
         return None
     return spec, {**kvstore, "path": path.rstrip("/")[:-len(name)]}
+
+
+def objects_needed(names: list[str], read_json: Any, like: Any) -> list[str] | None:
+    """The objects of a checkpoint this process needs to restore ``like``; None for all.
+
+    ``names``: the checkpoint's objects, relative to it; ``read_json(name)``: one of them
+    parsed. A leaf of ``like`` placed with a sharding that spans processes needs only the
+    zarr3 chunks its addressable shards overlap; every other object (metadata, other
+    leaves, an OCDBT database, which is not split by array) is needed. The stored name of a
+    leaf is orbax's: its path components joined with ``.``.
+    """
+    import itertools
+
+    import jax
+
+    from loopkit.pytree import leaf_path
+
+    if like is None or any(n.startswith("ocdbt.") or n.endswith("manifest.ocdbt")
+                           for n in names):
+        return None
+    shards: dict[str, tuple[tuple[int, ...], list[tuple[slice, ...]]]] = {}
+    flat, _ = jax.tree_util.tree_flatten_with_path(like, is_leaf=lambda x: x is None)
+    for keypath, leaf in flat:
+        sharding = getattr(leaf, "sharding", None)
+        if sharding is None or sharding.is_fully_addressable:
+            continue
+        shape = tuple(leaf.shape)
+        name = ".".join(leaf_path((k,)) for k in keypath) or "state"
+        shards[name] = shape, list(sharding.addressable_devices_indices_map(shape).values())
+    if not shards:
+        return None
+    present = set(names)
+    dropped: set[str] = set()
+    for name, (shape, indices) in shards.items():
+        meta_name = f"{name}/zarr.json"
+        if meta_name not in present:
+            continue
+        meta = read_json(meta_name)
+        grid = meta.get("chunk_grid", {})
+        keys = meta.get("chunk_key_encoding", {})
+        if (meta.get("zarr_format") != 3 or tuple(meta.get("shape", ())) != shape
+                or grid.get("name") != "regular"
+                or keys.get("name") != "default"
+                or keys.get("configuration", {}).get("separator", "/") != "/"):
+            continue  # not a layout described here: all of it
+        chunk = grid["configuration"]["chunk_shape"]
+        kept = set()
+        for index in indices:
+            ranges = []
+            for dim, (size, step) in enumerate(zip(shape, chunk)):
+                s = index[dim] if dim < len(index) else slice(None)
+                start, stop, _ = s.indices(size)
+                ranges.append(range(start // step, -(-stop // step)) if stop > start else range(0))
+            for coord in itertools.product(*ranges):
+                kept.add("/".join((name, "c", *map(str, coord))))
+        prefix = f"{name}/c"
+        dropped.update(n for n in names if (n == prefix or n.startswith(prefix + "/"))
+                       and n not in kept)
+    return [n for n in names if n not in dropped]

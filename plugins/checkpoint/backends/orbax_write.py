@@ -47,7 +47,10 @@ class Saver:
     that failed.
     """
 
-    def __init__(self, **options: Any) -> None:
+    def __init__(self, array_metadata: bool = True, **options: Any) -> None:
+        """``array_metadata=False``: jax arrays without orbax's per-process array metadata
+        files, whose directory the primary creates and every other process waits for
+        (it never comes when each process writes in a directory of its own)."""
         import orbax.checkpoint as ocp
 
         primary = getattr(options.get("multiprocessing_options"), "primary_host", 0)
@@ -64,6 +67,8 @@ class Saver:
             # every shard it holds, not only those of replica 0, and its numpy arrays.
             handlers[jax.Array] = th.ArrayHandler(primary_host=None, replica_id=None,
                                                   use_replica_parallel=False)
+        elif not array_metadata:
+            handlers[jax.Array] = th.ArrayHandler(array_metadata_store=None)
         # The save thread owns the arrays it hands to orbax (numpy leaves were copied
         # by the backend's `save`; the rest are views of immutable jax arrays), so
         # orbax's defensive copy is off: it would only double a save's memory.

@@ -12,10 +12,27 @@ its marker is there, and a partial upload left by a crash is never listed and
 is removed by the next run's first save. The staged copy is removed once
 uploaded. Reading downloads the checkpoint into the staging directory and reads
 it there. See docs/storage.md.
+
+Many processes. Each process stages in its own directory on its own disk and
+uploads only the files it wrote there; the local backend writes each process's
+part of a directory checkpoint so that their union is the checkpoint (the orbax
+backend's ``own_files``). The chief first removes what a crash left, then every
+process uploads and reports its part written (an object `PART` of its own), then
+a barrier (through the jax.distributed client, as the orbax backend's: this runs
+in the commit thread, beside the training step's collectives) waits for every
+process, and only then does the chief write the marker, if every report is
+there; a last barrier keeps every process from going on before it is decided. A
+process whose upload failed takes part in the barriers all the same, so no
+marker is written and every process fails the save, without waiting. A file
+checkpoint is the chief's copy alone (npz holds replicas, the same everywhere).
+A restore downloads on each process what it reads: the objects the local
+backend's ``objects_needed`` names for ``like`` (orbax: a leaf sharded over
+processes, only the chunks of this process's shards), else the whole checkpoint.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -27,7 +44,7 @@ from typing import Any, Callable, Sequence
 from loopkit import storage
 from loopkit.errors import CheckpointError
 
-__all__ = ["MARKER", "StagedBackend", "local_or_staged", "refuse_url"]
+__all__ = ["MARKER", "PART", "StagedBackend", "local_or_staged", "refuse_url"]
 
 log = logging.getLogger("loopkit")
 
@@ -37,12 +54,24 @@ MARKER = "commit_success.txt"
 
 _STAGE = "loopkit-stage-"
 
+#: the object with which a process reports its part of a checkpoint uploaded (many
+#: processes); the chief writes `MARKER` only once every process's is there
+PART = ".loopkit-part-{}"
+
+#: how long a process waits at an upload's barrier for the others (orbax's default, 300 s,
+#: is shorter than one process's upload of a big checkpoint); a process that died ends
+#: the wait sooner through jax.distributed's own failure detection
+BARRIER_SECS = 3600
+
 
 def local_or_staged(directory: Path | str, basename: str, make: Callable[[Path | str], Any]) -> Any:
     """``make(directory)`` for a local directory; under a URL, `StagedBackend` over ``make``.
 
     What a plugin's `checkpoint_backend` hook returns for a backend that writes local
-    files, so that it works under ``s3://`` and ``gs://`` logdirs too.
+    files, so that it works under ``s3://`` and ``gs://`` logdirs too. With many
+    processes each process's ``make`` gets a directory of its own: a directory
+    checkpoint is the union of what every process wrote there (each writes its own
+    files, none another's), a file checkpoint is the chief's.
     """
     if storage.is_url(directory):
         return StagedBackend(str(directory), basename, make)
@@ -74,17 +103,19 @@ def _remove_dead_stages() -> None:
 
 
 class StagedBackend:
-    """Checkpoints under `url`, written and read by the local backend ``make_local(stage_dir)``."""
+    """Checkpoints under `url`, written and read by the local backend ``make_local(stage_dir)``.
+
+    With many processes each stages and uploads its own part (see the module).
+    """
 
     def __init__(self, url: str, basename: str, make_local: Callable[[Path], Any]) -> None:
         import jax
 
-        if jax.process_count() > 1:
-            raise ValueError(
-                f"checkpoints under the URL {url!r} are staged on local disk and uploaded by "
-                f"one process; this run has {jax.process_count()} processes: use a directory "
-                "every process shares (see docs/storage.md)")
         self.url = url
+        self._processes = set(range(jax.process_count()))
+        self._index = jax.process_index()
+        self._chief = self._index == 0
+        self._uploads = 0  # names each upload's barriers (the same on every process)
         self.basename = basename
         _remove_dead_stages()
         self._stage = Path(tempfile.mkdtemp(prefix=f"{_STAGE}{os.getpid()}-"))
@@ -92,7 +123,9 @@ class StagedBackend:
         suffix = self.local_name(0)[len(f"{basename}-0"):]
         self._name = re.compile(re.escape(basename) + r"-(0|[1-9][0-9]*)" + re.escape(suffix))
         self._pending: int | None = None  # saved locally, not yet uploaded
-        self._fetched: set[int] = set()  # downloaded into the stage for reading
+        self._fetched: set[int] = set()  # downloaded whole into the stage for reading
+        #: (objects downloaded, objects in the checkpoint) by the latest read
+        self.last_fetch: tuple[int, int] | None = None
         self._cleaned = False
 
     def local_name(self, step: int) -> str:
@@ -118,27 +151,108 @@ class StagedBackend:
         if step is None:
             return
         try:
-            self.local.wait()
-            self._upload(step)
+            try:
+                self.local.wait()
+            except BaseException as e:
+                if len(self._processes) < 2:
+                    raise
+                # through the upload's barriers all the same (it raises at their end), so
+                # that no other process waits for this one
+                self._upload(step, failed=e)
+            else:
+                self._upload(step)
         finally:
             self._discard_local(step)
 
-    def _upload(self, step: int) -> None:
-        if not self._cleaned:  # only a writer cleans: a reader may watch a save in progress
-            self._remove_partial()
-            self._cleaned = True
+    def _upload(self, step: int, failed: BaseException | None = None) -> None:
+        """Upload ``step``: every process its own files, then the chief the marker.
+
+        A directory checkpoint: the chief clears what a crash left, every process
+        uploads the files it wrote (the union is the checkpoint) and then reports its
+        part written with an object of its own (`PART`, with many processes); once
+        all have passed a barrier, the chief writes the marker, which commits it, if
+        every report is there. A process whose upload failed still takes part in the
+        barriers (none waits for it) and reports nothing: no marker is written, and
+        every process raises. So does a process whose local save ``failed`` (raised
+        here, chained). A file checkpoint is one object, the chief's copy (every
+        process wrote the same replicas).
+        """
         src, dst = Path(self.local.path(step)), self.path(step)
         fs, base = storage.filesystem(dst)
+        self._uploads += 1
+        phase = f"{self.basename}-{step}-{self._uploads}"
+        many = len(self._processes) > 1
+        error: BaseException | None = failed
+        directory = src.is_dir()
         try:
-            if src.is_dir():
+            if error is not None:
+                pass  # nothing of this process's to upload
+            elif directory:
+                # a commit file the local backend wrote (orbax's, with `own_files`) is not
+                # uploaded: the marker goes up last, once every process's part is there
+                (src / MARKER).unlink(missing_ok=True)
+            if error is None and self._chief and directory:
+                if not self._cleaned:  # only a writer cleans: a reader may watch a save
+                    self._remove_partial()
+                    self._cleaned = True
                 storage.remove(dst)  # a partial upload of this step, or the one it replaces
-                storage.upload_tree(src, dst)
+        except Exception as e:  # noqa: BLE001 - raised below, after the barriers
+            error = e
+        self._barrier(f"{phase}-cleared")
+        if error is None:
+            try:
+                if directory:
+                    storage.upload_tree(src, dst)
+                    if many:
+                        fs.pipe_file(f"{base}/{PART.format(self._index)}", b"")
+                elif self._chief:
+                    fs.put_file(str(src), base)
+            except Exception as e:  # noqa: BLE001 - raised below, after the barriers
+                error = e
+        self._barrier(f"{phase}-written")  # every process's upload has ended
+        if error is None and self._chief and directory:
+            try:
+                if many:
+                    fs.invalidate_cache(base)
+                    found = {Path(p).name for p in fs.ls(base, detail=False)}
+                    missing = sorted(i for i in self._processes
+                                     if PART.format(i) not in found)
+                    if missing:
+                        raise CheckpointError(
+                            f"process{'es' if len(missing) > 1 else ''} "
+                            f"{', '.join(map(str, missing))} did not report "
+                            "its part uploaded (its own output has the error)")
                 fs.pipe_file(f"{base}/{MARKER}", b"")  # last: commits the upload
-            else:
-                fs.put_file(str(src), base)
-        except Exception as e:
-            raise CheckpointError(f"uploading checkpoint {dst} failed: {e}") from e
+            except Exception as e:  # noqa: BLE001 - raised below, after the barrier
+                error = e
+        self._barrier(f"{phase}-committed")  # no process goes on before it is decided
         fs.invalidate_cache(base)
+        if error is None and many and not self._chief:
+            try:  # whether the chief committed it (it did not if a part failed)
+                if not fs.exists(f"{base}/{MARKER}" if directory else base):
+                    error = CheckpointError("it was not committed: another process failed "
+                                            "(that process's output has the error)")
+            except Exception as e:  # noqa: BLE001
+                error = e
+        if error is not None:
+            raise CheckpointError(f"uploading checkpoint {dst} failed: {error}") from error
+
+    def _barrier(self, name: str) -> None:
+        """Wait until every process reaches ``name`` (none with one process).
+
+        Through the jax.distributed client, as the orbax backend's barriers: uploads run
+        in the commit thread, where a device collective would interleave with the
+        training step's own. A process whose upload failed arrives all the same; one
+        that died never does: the others raise when the barrier times out, unless
+        jax.distributed's failure detection ends them first.
+        """
+        if len(self._processes) < 2:
+            return
+        import orbax.checkpoint as ocp
+
+        ocp.multihost.sync_global_processes(
+            f"loopkit-upload-{name}", timeout=BARRIER_SECS, processes=self._processes,
+            barrier_sync_fn=ocp.multihost.get_barrier_sync_fn(processes=self._processes))
 
     def _remove_partial(self) -> None:
         """Remove directory checkpoints whose upload never finished (no marker)."""
@@ -181,25 +295,46 @@ class StagedBackend:
 
     # -- reading --
 
-    def _fetch(self, step: int) -> None:
-        """Download ``step`` into the stage, where the local backend reads it."""
+    def _fetch(self, step: int, like: Any = None) -> None:
+        """Download ``step`` into the stage, where the local backend reads it.
+
+        With ``like``, a local backend that has ``objects_needed(names, read_json, like)``
+        names the objects this process reads (its own shards of leaves sharded over
+        processes): only those are downloaded. Without, the whole checkpoint.
+        """
         if step in self._fetched:
             return
         url, dst = self.path(step), Path(self.local.path(step))
         fs, base = storage.filesystem(url)
         self._discard_local(step)
-        if fs.isdir(base):
-            if not fs.exists(f"{base}/{MARKER}"):
-                raise FileNotFoundError(f"checkpoint {url} is not committed (no {MARKER})")
-            fs.get(base + "/", str(dst) + "/", recursive=True)
-            (dst / MARKER).unlink(missing_ok=True)
-        else:
+        if not fs.isdir(base):
             fs.get_file(base, str(dst))  # FileNotFoundError when there is none
-        self._fetched.add(step)
+            self._fetched.add(step)
+            return
+        if not fs.exists(f"{base}/{MARKER}"):
+            raise FileNotFoundError(f"checkpoint {url} is not committed (no {MARKER})")
+        names = sorted(p[len(base) + 1:] for p in fs.find(base) if p.startswith(base + "/"))
+        names = [n for n in names if n != MARKER and not n.startswith(PART.format(""))]
+        needed = getattr(self.local, "objects_needed", None)
+        wanted = None
+        if like is not None and needed is not None:
+            wanted = needed(names, lambda n: json.loads(fs.cat_file(f"{base}/{n}")), like)
+        whole = wanted is None or len(wanted) == len(names)
+        wanted = names if wanted is None else wanted
+        for parent in {(dst / n).parent for n in wanted} | {dst}:
+            parent.mkdir(parents=True, exist_ok=True)
+        fs.get([f"{base}/{n}" for n in wanted], [str(dst / n) for n in wanted])
+        self.last_fetch = (len(wanted), len(names))
+        if whole:  # a part is read once, by the restore it was chosen for
+            self._fetched.add(step)
 
     def restore(self, step: int, like: Any = None) -> tuple[Any, dict]:
-        self._fetch(step)
-        return self.local.restore(step, like)
+        self._fetch(step, like)
+        try:
+            return self.local.restore(step, like)
+        finally:
+            if step not in self._fetched:
+                self._discard_local(step)  # a part: another `like` may need other parts
 
     def structure(self, step: int) -> dict[str, Any]:
         self._fetch(step)
