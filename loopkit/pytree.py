@@ -272,7 +272,8 @@ def trace_init(init: Callable[[], PyTree]) -> tuple[PyTree, PyTree | None]:
     `init` is traced once (`jax.jit(init).trace()`): shapes, dtypes, weak types
     and key types. Where shardings matter, the trace is lowered and compiled
     (nothing runs) and the leaves take the compiled output shardings, on any
-    mesh (auto or explicit axes, or abstract). If tracing or lowering fails for
+    mesh (auto or explicit axes, or abstract), except those `init` placed itself
+    (`jax.device_put` to a sharding): when it placed every leaf, nothing is compiled. If tracing or lowering fails for
     any reason (numpy on a traced value, `jax.set_mesh` inside, an unstorable
     leaf), `init` is called once for real and that state is returned as built.
     """
@@ -281,8 +282,11 @@ def trace_init(init: Callable[[], PyTree]) -> tuple[PyTree, PyTree | None]:
         like = traced.out_info
         if _needs_shardings(like):
             leaves, treedef = jax.tree.flatten(like)
-            shardings = jax.tree.leaves(traced.lower().compile().output_shardings)
             placed = _device_put_shardings(traced.jaxpr.jaxpr)
+            if len(placed) == len(leaves) and all(p is not None for p in placed):
+                shardings = placed  # init placed every leaf itself: nothing to compile
+            else:
+                shardings = jax.tree.leaves(traced.lower().compile().output_shardings)
             if len(shardings) == len(leaves) == len(placed):
                 # what init asked for with device_put wins over what XLA chose
                 # (on auto axes, a device_put inside jit is no constraint)

@@ -117,6 +117,39 @@ def test_a_fresh_start_neither_traces_nor_lowers_init(tmp_path, backend):
     assert len(bodies) >= 1 and len(runs) == 1  # traced for the restore, not run
 
 
+def test_a_resume_compiles_no_init_that_places_every_leaf_itself(tmp_path, caplog):
+    """Under a mesh a resume learns where init's leaves live; an init that puts every
+    leaf on a sharding itself says so in its trace: it is traced, never compiled, and
+    the restored state is placed as the fresh run's."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    mesh = jax.make_mesh((1,), ("d",))
+
+    def init_placed():
+        where = NamedSharding(mesh, P())
+        return {"w": jax.device_put(jnp.zeros(3), where),
+                "b": jax.device_put(jnp.ones(()), where)}
+
+    def step(s):
+        return {"w": s["w"] + s["b"], "b": s["b"]}, {}
+
+    kw = dict(logdir=tmp_path, checkpoint_backend="npz", **QUIET)
+    with jax.set_mesh(mesh):
+        fresh = loopkit.train(step, init=init_placed, max_steps=2, **kw)
+        jax.config.update("jax_log_compiles", True)
+        try:
+            with caplog.at_level("WARNING"):
+                again = loopkit.train(step, init=init_placed, max_steps=4, **kw)
+        finally:
+            jax.config.update("jax_log_compiles", False)
+    compiled = [r.getMessage() for r in caplog.records if "Compiling" in r.getMessage()]
+    assert compiled and not any("init_placed" in m for m in compiled), compiled
+    assert again.step == 4 and float(again.state["w"][0]) == 4.0
+    # placed as the fresh run's state was: the step's one program serves both
+    assert ([x.sharding for x in jax.tree.leaves(again.state)]
+            == [x.sharding for x in jax.tree.leaves(fresh.state)])
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_an_init_that_cannot_be_traced_is_called_once_for_real(tmp_path, backend):
     calls = []
