@@ -357,7 +357,9 @@ class CheckpointPlugin:
         if tier.last_save_step == step or refused is not None:
             if staged is not None:
                 staged[0].release()
-            if refused is not None:
+            # many processes: the failure already asked for an agreed stop (`Tier._failed`);
+            # raising here, on this process alone, would leave the others in a collective
+            if refused is not None and jax.process_count() == 1:
                 raise refused
             return
         if staged is None:
