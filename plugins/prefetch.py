@@ -267,7 +267,10 @@ class Feed:
     def _record(self) -> None:
         self.states[self.read] = self._state()
         # older states are not asked for (the batches consumed only grow)
-        done = self.session.step + self.input.offset - self.start_step
+        # the offset before the step: a rollback writes the step (smaller) first, then
+        # the offset, so this never counts more batches consumed than there are
+        offset = self.input.offset
+        done = self.session.step + offset - self.start_step
         while self.oldest < done:
             self.states.pop(self.oldest, None)
             self.oldest += 1

@@ -41,8 +41,9 @@ from loopkit.hookspec import hookimpl
 from loopkit.pytree import abstract, check_storable, conform
 from loopkit.stash import StashKey
 from loopkit.plugins.checkpoint.position import encode_position
+from loopkit.plugins.checkpoint import rollback
 from loopkit.plugins.checkpoint.recovery import (
-    common_steps, durable_best, find_local, find_restorable, read_checkpoint,
+    durable_best, find_local, find_restorable,
 )
 from loopkit.plugins.checkpoint.replicas import agree_to_save, host_copies
 from loopkit.plugins.checkpoint.retention import Ledger
@@ -226,46 +227,23 @@ class CheckpointPlugin:
     @hookimpl(trylast=True)
     def rollback_state(self, session: Any, before_step: int) -> Restored | None:
         """Wait for the saves in flight, then read back the newest committed checkpoint
-        of a step before `before_step`, from either tier (many processes: the chief's
-        choice). Committed checkpoints from `before_step` on hold abandoned steps: they
-        are deleted, so a restart never resumes from them."""
+        of a step before `before_step`, from either tier (`rollback`: many processes
+        decide together). Committed checkpoints from `before_step` on hold abandoned
+        steps: they are deleted, so a restart never resumes from them."""
         durable = self._open(session)
         tiers = [t for t in (self.local, durable) if t is not None]
         for t in tiers:
             t.join(session, self.config.stop_grace_secs)
-            if t.commit is not None:
-                raise CheckpointError(f"the checkpoint save {t.path(t.commit.step)} "
-                                      "never committed; cannot roll back past it")
-        # the newest step before the bad one, from the local tier on a tie (faster);
-        # many processes: a local step every process holds, and the chief's choice
-        held = {t: t.ledger.on_disk for t in tiers}
-        if jax.process_count() > 1 and self.local is not None:
-            held[self.local] = set(common_steps(self.local.ledger.on_disk))
-        candidates = [(s, t) for t in tiers for s in held[t] if s < before_step]
-        step, tier = max(candidates, key=lambda c: (c[0], c[1] is self.local),
-                         default=(-1, None))
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-            import numpy as np
-
-            step, local = (int(x) for x in multihost_utils.broadcast_one_to_all(
-                np.asarray([step, tier is not None and tier is self.local], np.int32)))
-            tier = self.local if local else durable
-        for t in tiers:
-            for doomed in sorted((s for s in t.ledger.on_disk if s >= before_step), reverse=True):
-                log.warning("loopkit: deleting %s: it holds a step after the bad step %d",
-                            t.path(doomed), before_step)
-                if t.writes(session):
-                    t.ledger.make_room(doomed)
-                    t.backend.delete(doomed)
-                t.ledger.on_disk.discard(doomed)
-            t.last_save_step = None  # a save at the restored step writes the new position
-        if step < 0 or tier is None:
-            return None
+        rollback.refuse_if_stuck(tiers)
+        options = rollback.candidates(self.local, durable, before_step)
+        rollback.drop_after(session, tiers, before_step)
         like = abstract(session.state)
-        found = read_checkpoint(tier.backend, step, like)
-        return Restored(conform(found.tree, like), step, found.data_position,
-                        tier.path(step), found.consumed, found.skipped)
+        read = rollback.read_agreed(options, like)
+        if read is None:
+            return None
+        found, tier = read
+        return Restored(conform(found.tree, like), found.step, found.data_position,
+                        tier.path(found.step), found.consumed, found.skipped)
 
     # -- saving ------------------------------------------------------------------------
 
@@ -326,13 +304,14 @@ class CheckpointPlugin:
         # next steps donate none of what it reads, kept until the save commits.
         hold = SharedHold(session.stage_state())
         state = hold.state
-        if many:
-            # every process saves at this step: agree that all may, and on the replicas
-            state, names, prints = host_copies(state)
-            agree_to_save(tier.path(step), names, prints, refused)
         timer = self._local_timer
         local = (not final and timer is not None and not timer.cancelled
                  and timer.due(step, session.clock()))
+        if many:
+            # every process saves at this step: agree that all may, on the replicas, and
+            # whether the local tier saves too (each process's clock may say otherwise)
+            state, names, prints = host_copies(state)
+            local = agree_to_save(tier.path(step), names, prints, refused, local)
         if local:
             hold.acquire()  # before the durable commit may release it
         metadata = self._metadata(session, step)

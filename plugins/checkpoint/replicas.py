@@ -62,15 +62,18 @@ def host_copies(state: Any) -> tuple[Any, list[str], list[int]]:
 
 
 def agree_to_save(where: str, names: list[str], prints: list[int],
-                  failed: BaseException | None) -> None:
+                  failed: BaseException | None, local_due: bool = False) -> bool:
     """Gather every process's fingerprints and last-commit status; raise on all alike.
 
     `failed` is this process's error from its previous save, if any: every
     process then raises (this one its own error), so none enters a save alone.
+    `local_due`: this process's local-tier timer is due too (by its own clock);
+    returns whether it is on any process, so all save the local tier at this step
+    or none does.
     """
     from jax.experimental import multihost_utils
 
-    mine = np.asarray([int(failed is not None), *prints], np.uint32)
+    mine = np.asarray([int(failed is not None), int(local_due), *prints], np.uint32)
     table = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, len(mine))
     broken = [int(p) for p in np.flatnonzero(table[:, 0])]
     if broken:
@@ -79,7 +82,7 @@ def agree_to_save(where: str, names: list[str], prints: list[int],
         raise CheckpointError(f"not saving {where}: the previous checkpoint save failed on "
                               f"process{'es' if len(broken) > 1 else ''} "
                               f"{', '.join(map(str, broken))} (its own output has the error)")
-    for col, name in enumerate(names, start=1):
+    for col, name in enumerate(names, start=2):
         column = table[:, col]
         odd = [int(p) for p in np.flatnonzero(column != column[0])]
         if odd:
@@ -89,3 +92,4 @@ def agree_to_save(where: str, names: list[str], prints: list[int],
                 f"{', '.join(map(str, odd))} hold different values). A leaf that each process "
                 "holds on its own is a replica and must be the same everywhere; a value that "
                 "differs per process belongs in a global jax.Array (sharded over the processes)")
+    return bool(table[:, 1].any())

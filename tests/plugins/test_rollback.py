@@ -230,15 +230,43 @@ TWO = textwrap.dedent("""
         def on_rollback(self, record):
             print("ROLLBACK", record.step, record.restored_step, *record.skipped, flush=True)
 
+    tiers = {{}}
+    if len(sys.argv) > 4:                  # local tiers; process 1's step 12 made unreadable
+        import os, pathlib, time
+        local = pathlib.Path(sys.argv[4])
+        tiers = dict(local_checkpoint_dir=str(local), save_local_steps=3, save_local_secs=None,
+                     max_to_keep_local=10)
+
+        class Corrupt:
+            done = False
+
+            @loopkit.hookimpl
+            def before_step(self, session, step):
+                if me == 1 and step == 14 and not self.done:
+                    self.done = True
+                    ckpt = local / "process-1" / "model.ckpt-12"
+                    while not ckpt.exists():  # published once committed
+                        time.sleep(0.01)
+                    for f in ckpt.rglob("*"):
+                        if f.is_file() and f.stat().st_size and "metadata" not in f.name:
+                            f.write_bytes(b"x" * f.stat().st_size)
+                    print("CORRUPTED", flush=True)
+        Rec.corrupt = Corrupt()
+
     r = loopkit.train(step, init=init, data=data, logdir=sys.argv[1], max_steps=N,
                       save_model_steps=5, save_model_secs=None, nan_guard="loss",
-                      on_guard="rollback", progress=False, plugins=[Rec()])
+                      on_guard="rollback", progress=False,
+                      plugins=[Rec()] + ([Rec.corrupt] if tiers else []), **tiers)
     print("W", np.asarray(r.state["w"]).tobytes().hex(), r.step, flush=True)
 """)
 
 
 @pytest.mark.timeout(300)
-def test_two_processes_roll_back_together(tmp_path):
+@pytest.mark.parametrize("tiers", ["durable", "local unreadable on one process"])
+def test_two_processes_roll_back_together(tmp_path, tiers):
+    """The poison on one process rolls both back at the same step. With local tiers
+    whose newest step before the bad one (12) one process cannot read, both go back to
+    the durable step (10) together, instead of one raising alone."""
     import socket
 
     with socket.socket() as s:
@@ -248,8 +276,9 @@ def test_two_processes_roll_back_together(tmp_path):
     script.write_text(TWO.format(tests=os.path.dirname(__file__)))
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     outs = [open(tmp_path / f"p{i}.out", "w+") for i in range(2)]
+    local = [str(tmp_path / "local")] if tiers != "durable" else []
     procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path / "run"), str(i),
-                               str(port)], env=env, stdout=outs[i], stderr=subprocess.STDOUT,
+                               str(port), *local], env=env, stdout=outs[i], stderr=subprocess.STDOUT,
                               text=True) for i in range(2)]
     try:
         for p in procs:
@@ -266,6 +295,9 @@ def test_two_processes_roll_back_together(tmp_path):
     assert rolls[0] == rolls[1] and len(rolls[0]) == 1, texts  # together, once
     bad, restored, first, end = map(int, rolls[0][0])
     assert (bad, restored, first) == (15, 10, 10) and end >= 16
+    if local:
+        assert "CORRUPTED" in texts[1]
+        assert "model.ckpt-12 is unreadable on process 1" in texts[1], texts[1][-3000:]
     finals = [re.search(r"^W (\w+) (\d+)$", t, re.M).groups() for t in texts]
     clean = run(tmp_path / "clean", source(skip=(first, end)))
     assert finals[0] == finals[1] == (np.asarray(clean.state["w"]).tobytes().hex(), str(N))

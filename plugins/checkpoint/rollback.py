@@ -1,0 +1,107 @@
+"""A rollback's checkpoint: the newest committed step before the bad one, from either tier.
+
+`nan_guard`'s `on_guard="rollback"` asks the checkpoint plugin (`rollback_state`)
+for it. With many processes every decision here is taken together, so that no
+process raises, or reads, while the others wait in a collective: a save that
+never committed on any process fails the rollback on all; the local tier offers
+only steps every process holds; the chief chooses; and a checkpoint that one
+process cannot read sends every process to the other tier's candidate.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+
+from loopkit.errors import CheckpointError
+from loopkit.plugins.checkpoint.recovery import Found, common_steps, read_checkpoint
+from loopkit.plugins.checkpoint.tier import Tier
+
+__all__ = ["any_process", "candidates", "drop_after", "read_agreed", "refuse_if_stuck"]
+
+log = logging.getLogger("loopkit")
+
+
+def any_process(flag: bool) -> bool:
+    """Whether `flag` is true on some process (a collective with many processes)."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(np.any(np.asarray(multihost_utils.process_allgather(
+        np.asarray(int(flag), np.int32)))))
+
+
+def refuse_if_stuck(tiers: Sequence[Tier]) -> None:
+    """Raise on every process when a save on any process never committed: a rollback
+    cannot step past a checkpoint that may still be written."""
+    stuck = next((t for t in tiers if t.commit is not None), None)
+    if any_process(stuck is not None):
+        where = (f"the checkpoint save {stuck.path(stuck.commit.step)}" if stuck is not None
+                 and stuck.commit is not None else "a checkpoint save on another process")
+        raise CheckpointError(f"{where} never committed; cannot roll back past it")
+
+
+def candidates(local: Tier | None, durable: Tier, before_step: int) -> list[tuple[int, Tier]]:
+    """The newest step before `before_step` of each tier, newest first, the local tier
+    first on a tie (faster to read). Many processes: the local tier's among the steps
+    every process holds, and the chief's choice for both."""
+    many = jax.process_count() > 1
+    local_steps = set() if local is None else local.ledger.on_disk
+    if many and local is not None:
+        local_steps = set(common_steps(local_steps))
+    best = [max((s for s in local_steps if s < before_step), default=-1),
+            max((s for s in durable.ledger.on_disk if s < before_step), default=-1)]
+    if many:
+        from jax.experimental import multihost_utils
+
+        best = [int(x) for x in multihost_utils.broadcast_one_to_all(
+            np.asarray(best, np.int32))]
+    found = [(s, t) for s, t in zip(best, (local, durable)) if s >= 0 and t is not None]
+    return sorted(found, key=lambda c: (c[0], c[1] is local), reverse=True)
+
+
+def drop_after(session: Any, tiers: Sequence[Tier], before_step: int) -> None:
+    """Delete the committed checkpoints from `before_step` on: they hold abandoned
+    steps, and a restart must never resume from them."""
+    for t in tiers:
+        for doomed in sorted((s for s in t.ledger.on_disk if s >= before_step), reverse=True):
+            log.warning("loopkit: deleting %s: it holds a step after the bad step %d",
+                        t.path(doomed), before_step)
+            if t.writes(session):
+                t.ledger.make_room(doomed)
+                t.backend.delete(doomed)
+            t.ledger.on_disk.discard(doomed)
+        t.last_save_step = None  # a save at the restored step writes the new position
+
+
+def read_agreed(options: Sequence[tuple[int, Tier]],
+                like: Any) -> tuple[Found, Tier] | None:
+    """The first of `options` that every process reads, and its tier; None when there
+    are no options.
+
+    An unreadable candidate is skipped with a warning; when none can be read,
+    `CheckpointError` on every process."""
+    failures: list[BaseException] = []
+    for step, tier in options:
+        found: Found | None = None
+        try:
+            found = read_checkpoint(tier.backend, step, like)
+        except Exception as ex:  # noqa: BLE001 - unreadable data: agree on it below
+            log.warning("loopkit: checkpoint %s is unreadable on process %d (%s: %s)",
+                        tier.path(step), jax.process_index(), type(ex).__name__, ex)
+            failures.append(ex)
+        if not any_process(found is None):
+            assert found is not None
+            return found, tier
+        log.warning("loopkit: cannot roll back to %s (unreadable on some process); "
+                    "trying the other tier", tier.path(step))
+    if options:
+        raise CheckpointError(
+            "no checkpoint to roll back to could be read on every process (tried "
+            + ", ".join(t.path(s) for s, t in options) + ")"
+        ) from (failures[0] if failures else None)
+    return None
