@@ -23,7 +23,10 @@ in the commit thread, beside the training step's collectives) waits for every
 process, and only then does the chief write the marker, if every report is
 there; a last barrier keeps every process from going on before it is decided. A
 process whose upload failed takes part in the barriers all the same, so no
-marker is written and every process fails the save, without waiting. A file
+marker is written and every process fails the save, without waiting. (A failure
+inside orbax's own write holds the others at orbax's barrier until its timeout
+first; a local save that raises at once, in the main thread, ends that
+process's run, and the others fail at their next collective.) A file
 checkpoint is the chief's copy alone (npz holds replicas, the same everywhere).
 A restore downloads on each process what it reads: the objects the local
 backend's ``objects_needed`` names for ``like`` (orbax: a leaf sharded over
