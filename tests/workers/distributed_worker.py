@@ -10,7 +10,8 @@ with the process index. --data-lens: process i's data ends after global step N_i
 --shard-state: `w` is sharded over every device of every process.
 --plan FILE: this process's plan for this start, the first line of FILE.p<ID> (removed
 as it is read, as tests/workers/run_worker.py does): "crash N" SIGKILLs the process
-after step N, "hang N" blocks its data reader at batch N, "ok" trains on.
+after step N, once the saves in flight have committed; "hang N" blocks its data reader
+at batch N; "ok" trains on.
 --hang-secs S: Config.hang_timeout_secs.
 --local-dir: a local checkpoint tier in DIR (each process's in DIR/process-<id>), saved
 every 3 steps.
@@ -161,6 +162,13 @@ def main():
             if args.step_sleep:
                 time.sleep(args.step_sleep)
             if plan[0] == "crash" and step == int(plan[1]):
+                # once the saves started before the kill have committed (under load an
+                # upload may outlast the steps to the kill), so what survives is known
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline and any(
+                        t.name.startswith("loopkit-checkpoint") and "-commit-" in t.name
+                        for t in threading.enumerate()):
+                    time.sleep(0.01)
                 os.kill(os.getpid(), signal.SIGKILL)
 
     tiers = {} if args.local_dir is None else dict(
