@@ -23,7 +23,7 @@ from loopkit.plugins.checkpoint.tf_file import CheckpointState, recovery_order
 if TYPE_CHECKING:
     from loopkit.checkpoint import CheckpointBackend
 
-__all__ = ["Found", "common_steps", "durable_best", "find_local", "find_restorable",
+__all__ = ["Found", "any_process", "common_steps", "durable_best", "find_local", "find_restorable",
            "read_checkpoint"]
 
 log = logging.getLogger("loopkit")
@@ -108,6 +108,16 @@ def find_local(backend: CheckpointBackend, steps: Collection[int], state: Checkp
             return None
         return _found(step, tree, metadata)
     return None
+
+
+def any_process(flag: bool) -> bool:
+    """Whether `flag` is true on some process (a collective with many processes)."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(np.any(np.asarray(multihost_utils.process_allgather(
+        np.asarray(int(flag), np.int32)))))
 
 
 #: how many of its newest local steps each process offers when they look for a common one
@@ -207,8 +217,7 @@ def _agreed(backend: CheckpointBackend, steps: Collection[int], logdir: Path | s
             log.warning("loopkit: checkpoint %s is unreadable on process %d (%s: %s)",
                         path_of(step), jax.process_index(), type(ex).__name__, ex)
             failures.append((step, ex))
-        ok = multihost_utils.process_allgather(np.asarray(found is not None, np.int32))
-        if np.all(np.asarray(ok)):
+        if not any_process(found is None):
             return found
         log.warning("loopkit: checkpoint %s could not be restored on every process; "
                     "trying the chief's next candidate", path_of(step))

@@ -17,31 +17,22 @@ import jax
 import numpy as np
 
 from loopkit.errors import CheckpointError
-from loopkit.plugins.checkpoint.recovery import Found, common_steps, read_checkpoint
+from loopkit.plugins.checkpoint.recovery import (
+    Found, any_process, common_steps, read_checkpoint,
+)
 from loopkit.plugins.checkpoint.tier import Tier
 
-__all__ = ["any_process", "candidates", "drop_after", "read_agreed", "refuse_if_stuck"]
+__all__ = ["candidates", "drop_after", "read_agreed", "refuse_if_stuck"]
 
 log = logging.getLogger("loopkit")
-
-
-def any_process(flag: bool) -> bool:
-    """Whether `flag` is true on some process (a collective with many processes)."""
-    if jax.process_count() == 1:
-        return flag
-    from jax.experimental import multihost_utils
-
-    return bool(np.any(np.asarray(multihost_utils.process_allgather(
-        np.asarray(int(flag), np.int32)))))
 
 
 def refuse_if_stuck(tiers: Sequence[Tier]) -> None:
     """Raise on every process when a save on any process never committed: a rollback
     cannot step past a checkpoint that may still be written."""
-    stuck = next((t for t in tiers if t.commit is not None), None)
+    stuck = next((t.path(t.commit.step) for t in tiers if t.commit is not None), None)
     if any_process(stuck is not None):
-        where = (f"the checkpoint save {stuck.path(stuck.commit.step)}" if stuck is not None
-                 and stuck.commit is not None else "a checkpoint save on another process")
+        where = f"the checkpoint save {stuck}" if stuck else "a checkpoint save on another process"
         raise CheckpointError(f"{where} never committed; cannot roll back past it")
 
 
