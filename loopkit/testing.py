@@ -13,13 +13,16 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import random
+import socket
 import threading
 from typing import Any
 
 from loopkit.hookspec import hookimpl
 
 __all__ = ["FakeClock", "HookCall", "HookRecorder", "Tick", "assert_same_state",
-           "kill_after_checkpoint", "read_events", "scalars"]
+           "free_port", "kill_after_checkpoint", "read_events", "scalars"]
 
 
 @dataclasses.dataclass
@@ -213,3 +216,39 @@ def kill_after_checkpoint(cmd: list[str], logdir: Any, min_step: int,
         proc.kill()
         proc.communicate()
     assert proc.returncode == -signal.SIGKILL
+
+
+_HANDED_OUT: set[int] = set()
+
+
+def free_port(band: int = 1000) -> int:
+    """A free TCP port on 127.0.0.1 for a server or a `jax.distributed` coordinator
+    that a test starts, safe when pytest-xdist runs tests in several workers.
+
+    A port found by binding port 0 and closing it can be handed out again by the OS
+    (to another worker's bind, or an outgoing connection) before the test's server
+    binds it. So each worker takes ports from a band of its own below the OS's
+    ephemeral range (`PYTEST_XDIST_WORKER` gw0 from 10000, gw1 from 10000 + `band`,
+    ...), which the OS never hands out by itself, and never the same port twice.
+    """
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = 0
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:]
+    first = 10000 + (int(worker) if worker.isdigit() else 0) * band
+    if first + band > ephemeral:  # no room below the ephemeral range: ask the OS
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    for port in random.sample(range(first, first + band), band):
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            return port
+    raise RuntimeError(f"no free port left in {first}..{first + band - 1}")

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from loopkit.testing import free_port
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -54,9 +54,7 @@ def test_resume_example_is_bitwise_equal(tmp_path):
 
 
 def test_distributed_example_two_processes(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     procs = [subprocess.Popen(
         [sys.executable, str(EXAMPLES / "distributed.py"), "--num-processes", "2",

@@ -62,7 +62,6 @@ BUILTIN_BACKENDS = ("orbax", "npz")
 
 PyTree = Any
 
-
 BLOCKING_TAG = "loopkit/checkpoint_blocking_secs"
 LOCAL_BLOCKING_TAG = "loopkit/checkpoint_local_blocking_secs"
 
@@ -227,21 +226,23 @@ class CheckpointPlugin:
     @hookimpl(trylast=True)
     def rollback_state(self, session: Any, before_step: int) -> Restored | None:
         """Wait for the saves in flight, then read back the newest committed checkpoint
-        of a step before `before_step`, from either tier (`rollback`: many processes
-        decide together). Committed checkpoints from `before_step` on hold abandoned
-        steps: they are deleted, so a restart never resumes from them."""
+        of a step before `before_step`, from either tier (`rollback`). Newer committed
+        checkpoints hold abandoned steps: they are deleted, so no restart resumes them."""
         durable = self._open(session)
         tiers = [t for t in (self.local, durable) if t is not None]
         for t in tiers:
             t.join(session, self.config.stop_grace_secs)
         rollback.refuse_if_stuck(tiers)
         options = rollback.candidates(self.local, durable, before_step)
-        rollback.drop_after(session, tiers, before_step)
+        rollback.drop_after(session, tiers, before_step,
+                            f"it holds the bad step {before_step} or a later one")
         like = abstract(session.state)
         read = rollback.read_agreed(options, like)
         if read is None:
             return None
         found, tier = read
+        rollback.drop_after(session, tiers, found.step + 1,  # an unreadable newer candidate
+                            f"it holds steps after {found.step}, whose batches are skipped")
         return Restored(conform(found.tree, like), found.step, found.data_position,
                         tier.path(found.step), found.consumed, found.skipped)
 

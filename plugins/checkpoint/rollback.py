@@ -55,13 +55,12 @@ def candidates(local: Tier | None, durable: Tier, before_step: int) -> list[tupl
     return sorted(found, key=lambda c: (c[0], c[1] is local), reverse=True)
 
 
-def drop_after(session: Any, tiers: Sequence[Tier], before_step: int) -> None:
-    """Delete the committed checkpoints from `before_step` on: they hold abandoned
-    steps, and a restart must never resume from them."""
+def drop_after(session: Any, tiers: Sequence[Tier], first: int, why: str) -> None:
+    """Delete the committed checkpoints of step `first` and later: they hold abandoned
+    steps (`why` says which), and a restart must never resume from them."""
     for t in tiers:
-        for doomed in sorted((s for s in t.ledger.on_disk if s >= before_step), reverse=True):
-            log.warning("loopkit: deleting %s: it holds a step after the bad step %d",
-                        t.path(doomed), before_step)
+        for doomed in sorted((s for s in t.ledger.on_disk if s >= first), reverse=True):
+            log.warning("loopkit: deleting %s: %s", t.path(doomed), why)
             if t.writes(session):
                 t.ledger.make_room(doomed)
                 t.backend.delete(doomed)
@@ -77,19 +76,24 @@ def read_agreed(options: Sequence[tuple[int, Tier]],
     An unreadable candidate is skipped with a warning; when none can be read,
     `CheckpointError` on every process."""
     failures: list[BaseException] = []
-    for step, tier in options:
+    many = jax.process_count() > 1
+    where = f" on process {jax.process_index()}" if many else ""
+    for i, (step, tier) in enumerate(options):
         found: Found | None = None
         try:
             found = read_checkpoint(tier.backend, step, like)
         except Exception as ex:  # noqa: BLE001 - unreadable data: agree on it below
-            log.warning("loopkit: checkpoint %s is unreadable on process %d (%s: %s)",
-                        tier.path(step), jax.process_index(), type(ex).__name__, ex)
+            log.warning("loopkit: checkpoint %s is unreadable%s (%s: %s)",
+                        tier.path(step), where, type(ex).__name__, ex)
             failures.append(ex)
         if not any_process(found is None):
             assert found is not None
             return found, tier
-        log.warning("loopkit: cannot roll back to %s (unreadable on some process); "
-                    "trying the other tier", tier.path(step))
+        if i + 1 < len(options):
+            nxt, other = options[i + 1]
+            log.warning("loopkit: cannot roll back to %s (unreadable%s); trying %s",
+                        tier.path(step), " on some process" if many else "",
+                        other.path(nxt))
     if options:
         raise CheckpointError(
             "no checkpoint to roll back to could be read on every process (tried "

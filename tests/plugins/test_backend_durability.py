@@ -29,6 +29,7 @@ import pytest
 from loopkit.plugins.checkpoint.backends.npz import NpzBackend
 from loopkit.plugins.checkpoint.backends.temporaries import saving_lock
 from loopkit.plugins.checkpoint.backends.orbax import OrbaxBackend
+from loopkit.testing import free_port
 
 BACKENDS = {"npz": NpzBackend, "orbax": OrbaxBackend}
 MODULES = {"npz": "loopkit.plugins.checkpoint.backends.npz:NpzBackend",
@@ -280,11 +281,7 @@ print("OK", jax.process_index(), flush=True)
 
 def test_orbax_saves_from_several_processes_and_restores_in_one(tmp_path):
     """Two jax.distributed processes (CPU, gloo) save a sharded state; one process reads it all."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     procs = [subprocess.Popen(
         [sys.executable, "-c", _PRELUDE + textwrap.dedent(_DISTRIBUTED), MODULES["orbax"],
          str(tmp_path), "2", str(i), str(port)],

@@ -9,12 +9,14 @@ import re
 import subprocess
 import sys
 import textwrap
+import time
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import loopkit
+from loopkit.testing import free_port
 
 N = 30  # steps of every run here
 P = 14  # the poisoned batch (0-based): step 15 consumes it
@@ -111,6 +113,47 @@ def test_a_newer_local_checkpoint_is_the_one_rolled_back_to(tmp_path):
     (record, at), = rec.records
     assert (record.step, record.restored_step, record.skipped, at) == (15, 12, (12, 16), 12)
     assert loopkit.latest_checkpoint(local)[0] == 27  # saved on after it (the final: durable)
+
+
+def test_an_unreadable_newer_checkpoint_is_passed_over_and_deleted(tmp_path, caplog):
+    # local 12 is corrupted before the bad step: the rollback reads durable 10 instead,
+    # and deletes local 12, whose steps used batches that are now skipped: a crash right
+    # after the rollback must not resume from it
+    local = tmp_path / "local"
+
+    class Corrupt:
+        done = False
+
+        @loopkit.hookimpl
+        def before_step(self, session, step):
+            if step == 14 and not self.done:  # once: step 14 comes again after the rollback
+                self.done = True
+                ckpt = local / "model.ckpt-12"
+                while not ckpt.exists():  # published once committed
+                    time.sleep(0.01)
+                for f in ckpt.rglob("*"):
+                    if f.is_file() and f.stat().st_size and "metadata" not in f.name:
+                        f.write_bytes(b"x" * f.stat().st_size)
+
+    class OnDisk:
+        seen = None
+
+        @loopkit.hookimpl
+        def on_rollback(self, record):
+            OnDisk.seen = sorted(p.name for p in local.glob("model.ckpt-*"))
+
+    rec = Rollbacks()
+    with caplog.at_level(logging.WARNING, logger="loopkit"):
+        rolled = run(tmp_path / "a", source({P}), plugins=[rec, Corrupt(), OnDisk()],
+                     save_model_steps=10, local_checkpoint_dir=str(local),
+                     save_local_steps=3, save_local_secs=None, max_to_keep_local=10)
+    (record, _), = rec.records
+    assert (record.restored_step, record.skipped) == (10, (10, 16))
+    assert OnDisk.seen == ["model.ckpt-3", "model.ckpt-6", "model.ckpt-9"]
+    msg = "\n".join(r.getMessage() for r in caplog.records)
+    assert "model.ckpt-12 is unreadable (" in msg and "on process" not in msg
+    assert "model.ckpt-12: it holds steps after 10, whose batches are skipped" in msg
+    same_bits(rolled, run(tmp_path / "b", source(skip=(10, 16)), save_model_steps=10))
 
 
 def test_no_checkpoint_before_the_bad_step_goes_back_to_the_initial_state(tmp_path):
@@ -267,11 +310,7 @@ def test_two_processes_roll_back_together(tmp_path, tiers):
     """The poison on one process rolls both back at the same step. With local tiers
     whose newest step before the bad one (12) one process cannot read, both go back to
     the durable step (10) together, instead of one raising alone."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     script = tmp_path / "two.py"
     script.write_text(TWO.format(tests=os.path.dirname(__file__)))
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
@@ -298,6 +337,8 @@ def test_two_processes_roll_back_together(tmp_path, tiers):
     if local:
         assert "CORRUPTED" in texts[1]
         assert "model.ckpt-12 is unreadable on process 1" in texts[1], texts[1][-3000:]
+        for i in range(2):  # passed over on both: neither resumes it after a crash
+            assert f"process-{i}/model.ckpt-12: it holds steps after 10" in texts[i], texts[i]
     finals = [re.search(r"^W (\w+) (\d+)$", t, re.M).groups() for t in texts]
     clean = run(tmp_path / "clean", source(skip=(first, end)))
     assert finals[0] == finals[1] == (np.asarray(clean.state["w"]).tobytes().hex(), str(N))

@@ -15,7 +15,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -31,14 +30,9 @@ import pytest
 import loopkit
 from loopkit import storage
 from loopkit.plugins.checkpoint.backends.staged import MARKER
+from loopkit.testing import free_port
 
 WORKER = Path(__file__).with_name("crash_worker.py")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +41,7 @@ def s3_endpoint():
     from moto.server import ThreadedMotoServer
 
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per request
-    port = _free_port()
+    port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     try:
@@ -65,7 +59,7 @@ def gcs_endpoint(tmp_path_factory):
     # FakeGCSServer, which pipes the server's log and never reads it: after some
     # thousand requests the pipe is full and the server stops answering
     binary, = Path(wrapper.__file__).parent.glob("vendor/fake-gcs-server/bin/fake-gcs-server-*")
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = open(tmp_path_factory.mktemp("gcs") / "server.log", "wb")
     proc = subprocess.Popen([str(binary), "-scheme", "http", "-backend", "memory",
@@ -533,6 +527,28 @@ def test_a_failed_upload_of_one_part_fails_the_save_on_every_process(
 
     outs = d.finish(d.start(url, run, 2, 20, *SHARDED, devices=2))
     assert all("READY 5" in out and "RESULT 20 max_steps" in out for _, out, _ in outs)
+    want = d.load(ref / "p0.npz")
+    for k in ("w", "b"):
+        assert d.load(run / "p0.npz")[k].tobytes() == want[k].tobytes(), k
+
+
+def test_a_failed_download_on_one_process_sends_both_to_the_previous_checkpoint(
+        store, tmp_path, quick_lease):
+    """Process 1 cannot download step 10: both processes pass it over together, before
+    orbax's read (whose closing barrier would hold process 0 for orbax's 300 s), and
+    resume from step 5, bitwise."""
+    d = _distributed()
+    ref, run = _dirs(tmp_path, "ref", "run")
+    url = store.url("run")
+    d.finish(d.start(ref, ref, 2, 20, *SHARDED, devices=2))
+    d.finish(d.start(url, run, 2, 10, *SHARDED, devices=2))
+    assert loopkit.latest_checkpoint(url) == (10, f"{url}/model.ckpt-10")
+    # (`finish` fails a process still running after its TIMEOUT, half orbax's barrier)
+    outs = d.finish(d.start(url, run, 2, 20, *SHARDED, "--fail-downloading", "1:10",
+                            devices=2))
+    assert "injected download failure of step 10" in outs[1][2], outs[1][2][-3000:]
+    assert "could not be downloaded on another process" in outs[0][2], outs[0][2][-3000:]
+    assert all("READY 5" in out and "RESULT 20 max_steps" in out for _, out, _ in outs), outs
     want = d.load(ref / "p0.npz")
     for k in ("w", "b"):
         assert d.load(run / "p0.npz")[k].tobytes() == want[k].tobytes(), k

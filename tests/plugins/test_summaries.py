@@ -7,7 +7,6 @@ import logging
 import os
 import select
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -26,6 +25,7 @@ from loopkit.plugins import nan_guard, profiler, progress, step_counter, summari
 from loopkit.plugins.summaries import event_file_suffix
 from loopkit.testing import FakeClock, Tick, scalars
 from loopkit.testing import read_events as events
+from loopkit.testing import free_port
 
 # No checkpoints here: these tests are about event files (the checkpoint plugin has
 # its own tests), and a disabled plugin is not even imported.
@@ -418,18 +418,13 @@ def test_sigkill_then_resume_shows_each_step_once(tmp_path):
     _check_one_clean_curve(events(logdir))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_real_tensorboard_server_shows_one_clean_curve(tmp_path):
     """Integration test: a real `tensorboard` process serves the resumed run's curve."""
     loopkit.train(counting_step(1000.0), init=jnp.zeros(()), logdir=tmp_path, max_steps=30,
                   save_summaries_steps=5, **FAST)
     _purged_resume(tmp_path)
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "tensorboard.main", "--logdir", str(tmp_path), "--host",
          "127.0.0.1", "--port", str(port), "--load_fast=false"],

@@ -18,8 +18,10 @@ every 3 steps.
 --backend NAME: Config.checkpoint_backend (default orbax).
 --fail-uploading P:STEP: under a URL logdir, process P's upload of its part of the
 checkpoint of STEP raises OSError (a network error).
---fail-local-save P:STEP: process P's orbax save of STEP raises OSError once orbax has
-written it (a full local disk, say), before it is uploaded.
+--fail-local-save P:STEP: process P's orbax save of STEP raises OSError 1 s after orbax
+has written it (a full local disk, say).
+--fail-downloading P:STEP: under a URL logdir, process P's download of the checkpoint
+of STEP raises OSError (a network error).
 --die-uploading P:STEP: under a URL logdir, process P SIGKILLs itself in the middle of
 uploading its part of the checkpoint of STEP (after its first object).
 """
@@ -61,6 +63,7 @@ def main():
     p.add_argument("--backend", default="orbax")
     p.add_argument("--fail-uploading", default=None)
     p.add_argument("--fail-local-save", default=None)
+    p.add_argument("--fail-downloading", default=None)
     args = p.parse_args()
     if args.die_uploading is not None:
         who, step = map(int, args.die_uploading.split(":"))
@@ -70,6 +73,10 @@ def main():
         who, step = map(int, args.fail_uploading.split(":"))
         if who == args.process_id:
             die_uploading(step, fail=True)
+    if args.fail_downloading is not None:
+        who, step = map(int, args.fail_downloading.split(":"))
+        if who == args.process_id:
+            fail_downloading(step)
     if args.fail_local_save is not None:
         who, step = map(int, args.fail_local_save.split(":"))
         if who == args.process_id:
@@ -209,6 +216,20 @@ def die_uploading(step, fail=False):
     storage.upload_tree = upload_then_die
 
 
+def fail_downloading(step):
+    """This process's download of the checkpoint of `step` from a URL logdir fails."""
+    from loopkit.plugins.checkpoint.backends.staged import StagedBackend
+
+    fetch = StagedBackend._fetch
+
+    def fetch_or_fail(self, at, like=None):
+        if at == step:
+            raise OSError(f"injected download failure of step {step}")
+        return fetch(self, at, like)
+
+    StagedBackend._fetch = fetch_or_fail
+
+
 def fail_local_save(step):
     """The orbax backend's save of `step` on this process fails once orbax has written it."""
     from loopkit.plugins.checkpoint.backends.orbax import OrbaxBackend
@@ -219,6 +240,9 @@ def fail_local_save(step):
         pending = self._pending
         wait(self)
         if pending == step:
+            # late, so that the next local save (3 steps of --step-sleep on) always finds
+            # this one still in flight, waits for it and meets the failure
+            time.sleep(1.0)
             raise OSError(f"injected local save failure of step {step}")
 
     OrbaxBackend.wait = wait_then_fail

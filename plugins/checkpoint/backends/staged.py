@@ -332,7 +332,21 @@ class StagedBackend:
             self._fetched.add(step)
 
     def restore(self, step: int, like: Any = None) -> tuple[Any, dict]:
-        self._fetch(step, like)
+        failed: BaseException | None = None
+        try:
+            self._fetch(step, like)
+        except Exception as ex:  # noqa: BLE001 - agreed below, then raised
+            failed = ex
+        # many processes: orbax's read ends at a barrier, where the others would wait
+        # for a process whose download failed until orbax's timeout (300 s): agree first
+        if len(self._processes) > 1:
+            from loopkit.plugins.checkpoint.recovery import any_process
+
+            if any_process(failed is not None) and failed is None:
+                raise CheckpointError(f"checkpoint {self.path(step)} could not be "
+                                      f"downloaded on another process")
+        if failed is not None:
+            raise failed
         try:
             return self.local.restore(step, like)
         finally:
