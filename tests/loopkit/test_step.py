@@ -47,6 +47,37 @@ def updating(s):
 
 @pytest.mark.skipif(jax.default_backend() != "cpu",
                     reason="off CPU a save copies the leaves the next step rewrites to host memory")
+def test_a_stop_does_not_wait_for_the_save_variants_compile(tmp_path, monkeypatch):
+    """The save variant compiles in the background from the first save on; a stop that
+    comes first (a SIGTERM right after it, on a cloud's 30-second notice) no longer
+    needs it: `train` returns once the final save committed, and the interpreter joins
+    the compile at exit. The compile is held here until `train` has returned."""
+    gate = threading.Event()
+    compile_ = jax.stages.Lowered.compile
+
+    def held(self, *args, **kwargs):
+        if threading.current_thread().name == "loopkit-compile-save-variant":
+            gate.wait(120)
+        return compile_(self, *args, **kwargs)
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", held)
+    compiling = []
+    try:
+        r = loopkit.train(updating, init={"w": jnp.zeros((64, 64)), "n": jnp.int32(0)},
+                          logdir=str(tmp_path), save_model_steps=2, save_model_secs=None,
+                          max_steps=5, progress=False, disable=("summaries",))
+        compiling = [t for t in threading.enumerate()
+                     if t.name == "loopkit-compile-save-variant"]
+        assert (r.stop_reason, r.step) == ("max_steps", 5)
+        assert compiling, "train waited for the save variant's compile"
+        assert loopkit.latest_checkpoint(tmp_path)[0] == 5  # the final save is committed
+        assert not compiling[0].daemon  # joined at exit, never cut off inside XLA
+    finally:
+        gate.set()
+    for t in compiling:
+        t.join(120)
+
+
 def test_on_cpu_a_save_reads_the_buffers_themselves_and_later_steps_reuse_them(tmp_path):
     """The step after a save writes into the buffers of an earlier, finished save.
 
