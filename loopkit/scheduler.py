@@ -172,6 +172,14 @@ class Scheduler:
         agreement.next_step = step + agreement.interval
         self._recompute()
 
+    def rewind(self, step: int) -> None:
+        """The session went back to `step` (a rollback): step triggers fire at their
+        multiples from there again; time triggers and the agreement keep their course."""
+        for t in self.timers:
+            if t.steps and not t.once and not t.cancelled:
+                t.next_step = (step // t.steps + 1) * t.steps
+        self._recompute()
+
     def _recompute(self) -> None:
         live = [t for t in self.timers if not t.cancelled]
         self.timers = live

@@ -155,6 +155,12 @@ class Session:
         if self._compiled is not None:
             self._compiled.set_state(new)
 
+    def rewind(self, step: int, state: PyTree) -> None:
+        """Go back to `state` at `step` (a rollback): the step after it is `step + 1`
+        again, and step timers fire at their multiples from there."""
+        self.state, self.step = state, step
+        self._sched.rewind(step)
+
     @property
     def clock(self) -> Callable[[], float]:
         """The session's clock (`time.monotonic` unless a test injected one).
@@ -239,10 +245,8 @@ class Session:
 
     @property
     def timer_running(self) -> RunningAction | None:
-        """The timer action running now (name, start by `time.monotonic`), or None.
-
-        With `timer_returned`, what a watchdog reads from its own thread.
-        """
+        """The timer action running now (name, start by `time.monotonic`), or None:
+        with `timer_returned`, what a watchdog reads from its own thread."""
         return self._sched.running
 
     @property
@@ -282,13 +286,9 @@ class Session:
         self.coord.register_thread(thread)
 
     def summary_computed(self, values: Mapping[str, Any], step: int | None = None) -> None:
-        """Write `values` (tag -> scalar, array or text) to the event file at `step`.
-
-        `step=None` means the current global step. Scalars become scalar
-        summaries, arrays histograms, anything else text. Does nothing on a
-        non-chief; a chief without a summary writer (no logdir) raises
-        `RuntimeError`.
-        """
+        """Write `values` (tag -> scalar, array or text) to the event file at `step`
+        (None: the current step): scalars as scalars, arrays as histograms, anything else
+        as text. Does nothing on a non-chief; a chief without a summary writer raises."""
         if not self.is_chief:
             return
         if self.summary_writer is None:

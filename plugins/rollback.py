@@ -184,10 +184,9 @@ class RollbackGuard(NanGuardPlugin):
             raise error
         consumed = session.step + inp.offset
         first = max(to + inp.offset, inp.skipped[-1][1] if inp.skipped else 0)
-        session.state = state
         # the step first, then the offset: prefetch reads step + offset from its thread,
         # and must never see more batches consumed than there are
-        session.step = to
+        session.rewind(to, state)
         inp.offset = consumed - to
         inp.skipped.append((first, consumed))
         self._pending = None

@@ -99,6 +99,9 @@ def test_poisoned_callable_rolls_back_and_equals_a_clean_run(tmp_path, caplog):
     import orbax.checkpoint as ocp  # noqa: F401 - the backend that wrote it
 
     assert loopkit.latest_checkpoint(tmp_path / "a")[0] == N
+    # the save timer went back with the step: 15 was saved again, from the good state
+    saved = sorted(int(p.name.rsplit("-", 1)[1]) for p in (tmp_path / "a").glob("model.ckpt-*"))
+    assert saved == [10, 15, 20, 25, 30]
 
 
 def test_a_newer_local_checkpoint_is_the_one_rolled_back_to(tmp_path):
