@@ -350,15 +350,11 @@ class Session:
     # -- closing ---------------------------------------------------------------------
 
     def close(self, error: BaseException | None = None) -> None:
-        """Stop: join the threads, run every `on_stop`, re-raise what stopped the session.
-
-        `error` is the exception that ended the session's block, or None for a
-        normal exit. Every `on_stop` runs even if one raises; an `on_stop` error
-        after a clean run is raised, after a failed run it becomes a note.
-        """
+        """Stop: join the threads, run every `on_stop`, re-raise what stopped the session
+        (`error`: what ended the session's block, or None). Every `on_stop` runs even if
+        one raises; its error is raised after a clean run, a note after a failed one."""
         coord = self.coord
-        if error is not None and not isinstance(error, StopIteration):
-            # run() names the step function itself
+        if error is not None and not isinstance(error, StopIteration):  # run() names the step
             self.plugin_manager.note_origin(error, self.step, step_fn=False)
         coord.request_stop(error)
         try:
@@ -367,20 +363,24 @@ class Session:
             coord.request_stop(ex)
         error = coord.exception
         try:
-            stop_errors = self.plugin_manager.call_on_stop(self, error)
+            try:
+                stop_errors = self.plugin_manager.call_on_stop(self, error)
+            finally:
+                self.summary_writer = None  # closed by now
+                self._signals.restore()
+                if self._lock is not None:
+                    self._lock.release()
+                    self._lock = None
+            failed = error is not None or bool(stop_errors)
+            write_status(stop_reason="error" if failed else coord.reason, step=self.step,
+                         start_step=self._start_step, logdir=self.logdir)
         finally:
-            self.summary_writer = None  # closed by now
+            # last, once everything durable is written (a preemption's SIGKILL may come):
+            # a compile of the save variant still under way, then the cache it writes to
             self._end()
-            self._signals.restore()
-            if self._lock is not None:
-                self._lock.release()
-                self._lock = None
             if self._uncache is not None:
                 self._uncache()
                 self._uncache = None
-        failed = error is not None or bool(stop_errors)
-        write_status(stop_reason="error" if failed else coord.reason, step=self.step,
-                     start_step=self._start_step, logdir=self.logdir)
         # a thread that failed during shutdown counts too
         raise_stop_errors(error if error is not None else coord.exception, stop_errors)
 

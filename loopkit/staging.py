@@ -99,6 +99,7 @@ class Spare:
         self._given: tuple | None = None  # given back by every reader, not yet taken
         self._readers: dict[tuple[int, ...], list] = {}  # staged buffers: [part, readers]
         self._compiled = threading.Event()
+        self._compiler: threading.Thread | None = None
         #: whether `compile_ahead` was called (the compile may be under way, done or failed)
         self.compiling = False
         self._generation = 0  # buffers given back from an older state are not taken
@@ -162,10 +163,10 @@ class Spare:
                 return
             self._compiled.set()
 
-        # not a daemon: an XLA compile cannot be stopped, and a daemon thread still in
-        # one at interpreter exit can abort the process; the interpreter waits for it
-        # at exit instead, so a stop (`close`) never does
-        threading.Thread(target=compile_, name="loopkit-compile-save-variant").start()
+        # not a daemon: an XLA compile cannot be cut short, and a daemon thread still in
+        # one at interpreter exit can abort the process
+        self._compiler = threading.Thread(target=compile_, name="loopkit-compile-save-variant")
+        self._compiler.start()
 
     def forget(self) -> None:
         """Drop every buffer held or given back until now (a new state, or the end)."""
@@ -175,9 +176,11 @@ class Spare:
             self._readers.clear()
 
     def close(self) -> None:
-        """The session is over. A compile still under way is not waited for: the
-        final save does not need it, and the interpreter joins it at exit."""
+        """The session is over: wait for a compile still under way (it writes to the
+        session's compilation cache), which `Session.close` does last."""
         self.forget()
+        if self._compiler is not None:
+            self._compiler.join()
 
 
 def swap_leaves(state: Any, part: Sequence[Any], new: Sequence[Any]) -> Any:
