@@ -99,6 +99,7 @@ class Scheduler:
         self.next_time: float = NEVER
         self.stop_step: float = NEVER
         self.on_stop_step: Callable[[], None] | None = None
+        self._stop_at_data_end = False  # stop_step is where some process's data ends
         self._agreement: Agreement | None = None
         #: seconds spent in each timer's action, by timer name
         self.spent: dict[str, float] = {}
@@ -140,12 +141,14 @@ class Scheduler:
     def set_stop_step(self, step: float, callback: Callable[[], None]) -> None:
         self.stop_step = step
         self.on_stop_step = callback
+        self._stop_at_data_end = False
         self._recompute()
 
     def stop_by(self, step: int, callback: Callable[[], None]) -> None:
         """Stop at `step` if that comes before the stop already set (data that runs out)."""
         if step < self.stop_step:
             self.set_stop_step(step, callback)
+            self._stop_at_data_end = True
 
     @property
     def agreement(self) -> Agreement | None:
@@ -172,12 +175,18 @@ class Scheduler:
         agreement.next_step = step + agreement.interval
         self._recompute()
 
-    def rewind(self, step: int) -> None:
-        """The session went back to `step` (a rollback): step triggers fire at their
-        multiples from there again; time triggers and the agreement keep their course."""
+    def rewind(self, step: int, back: int) -> None:
+        """The session went `back` steps, to `step` (a rollback; many processes do it at
+        the same step): step triggers fire at their multiples from there again; the
+        next agreement comes an interval from there (the read-ahead covers no more),
+        and a stop where the data ends comes `back` steps sooner."""
         for t in self.timers:
             if t.steps and not t.once and not t.cancelled:
                 t.next_step = (step // t.steps + 1) * t.steps
+        if self._agreement is not None:
+            self._agreement.next_step = step + self._agreement.interval
+        if self._stop_at_data_end and self.stop_step < NEVER:
+            self.stop_step = max(step, self.stop_step - back)
         self._recompute()
 
     def _recompute(self) -> None:
@@ -222,10 +231,13 @@ class Scheduler:
                     self.last_returned = time.monotonic()
                     now = self.clock()
                     self.spent[timer.name] = self.spent.get(timer.name, 0.0) + now - t0
+                at = getattr(session, "step", step)  # below `step` after a rollback
                 if timer.once:
                     timer.cancel()
                 elif not timer.cancelled:
-                    timer.arm(step, now)
+                    timer.arm(min(step, at), now)
+                if at < step:  # the action rolled the session back (`Session.rewind`):
+                    break      # the timers after it were armed from there
         self._recompute()
 
 

@@ -144,10 +144,9 @@ class Session:
     @property
     def state(self) -> PyTree:
         """The training state (the user's pytree) after the latest step."""
-        state = self._state
-        if state is _STALE:
-            state = self._state = self._compiled.state()
-        return state
+        if self._state is _STALE:
+            self._state = self._compiled.state()
+        return self._state
 
     @state.setter
     def state(self, new: PyTree) -> None:
@@ -156,10 +155,9 @@ class Session:
             self._compiled.set_state(new)
 
     def rewind(self, step: int, state: PyTree) -> None:
-        """Go back to `state` at `step` (a rollback): the step after it is `step + 1`
-        again, and step timers fire at their multiples from there."""
-        self.state, self.step = state, step
-        self._sched.rewind(step)
+        """Go back to `state` at `step` (a rollback); step timers re-armed from there."""
+        back, self.state, self.step = self.step - step, state, step
+        self._sched.rewind(step, back)
 
     @property
     def clock(self) -> Callable[[], float]:
@@ -377,12 +375,14 @@ class Session:
         finally:
             # last, once everything durable is written (a preemption's SIGKILL may come):
             # a compile of the save variant still under way, then the cache it writes to
-            self._end()
-            if self._uncache is not None:
-                self._uncache()
-                self._uncache = None
-        # a thread that failed during shutdown counts too
-        raise_stop_errors(error if error is not None else coord.exception, stop_errors)
+            try:
+                self._end()
+            finally:
+                if self._uncache is not None:
+                    self._uncache()
+                    self._uncache = None
+        raise_stop_errors(  # a thread that failed during shutdown counts too
+            error if error is not None else coord.exception, stop_errors)
 
     def _end(self) -> None:
         """The session is over: `run` now raises instead of stepping a closed session."""

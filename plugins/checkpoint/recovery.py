@@ -110,6 +110,44 @@ def find_local(backend: CheckpointBackend, steps: Collection[int], state: Checkp
     return None
 
 
+def fetch(backend: CheckpointBackend, step: int, like: Any) -> None:
+    """Download what `restore(step, like)` reads, where the backend keeps checkpoints
+    remotely (its optional `fetch`: the staged backend of URL logdirs)."""
+    get = getattr(backend, "fetch", None)
+    if get is not None:
+        get(step, like)
+
+
+def read_together(backend: CheckpointBackend, step: int, like: Any, where: str,
+                  failed: Callable[[Any], Any], before: Callable[[], None]) -> Found | None:
+    """`read_checkpoint` on every process at once, or on none: `before()` (the
+    download) first, then one agreement, so that no process starts orbax's read,
+    which ends at a barrier, while another has failed; None here when it failed
+    anywhere (`failed((step, error))` gets this process's error). Every process
+    runs exactly one collective here, whatever fails."""
+    found: Found | None = None
+    ready = False
+    try:
+        before()
+        ready = True
+    except Exception as ex:  # noqa: BLE001 - agreed below
+        _unreadable(where, ex)
+        failed((step, ex))
+    if not any_process(not ready):
+        try:
+            found = read_checkpoint(backend, step, like)
+        except Exception as ex:  # noqa: BLE001 - agreed by the caller
+            _unreadable(where, ex)
+            failed((step, ex))
+    return found
+
+
+def _unreadable(where: str, ex: BaseException) -> None:
+    on = f" on process {jax.process_index()}" if jax.process_count() > 1 else ""
+    log.warning("loopkit: checkpoint %s is unreadable%s (%s: %s)", where, on,
+                type(ex).__name__, ex)
+
+
 def any_process(flag: bool) -> bool:
     """Whether `flag` is true on some process (a collective with many processes)."""
     if jax.process_count() == 1:
@@ -209,14 +247,13 @@ def _agreed(backend: CheckpointBackend, steps: Collection[int], logdir: Path | s
         if step < 0:
             break
         tried.add(step)
-        found: Found | None = None
-        try:
+        def visible_and_fetched(step: int = step) -> None:
+            nonlocal steps
             steps = _wait_until_visible(backend, steps, step, path_of, recovery_wait_secs)
-            found = read_checkpoint(backend, step, like)
-        except Exception as ex:  # noqa: BLE001 - unreadable here: agree on it below
-            log.warning("loopkit: checkpoint %s is unreadable on process %d (%s: %s)",
-                        path_of(step), jax.process_index(), type(ex).__name__, ex)
-            failures.append((step, ex))
+            fetch(backend, step, like)
+
+        found = read_together(backend, step, like, path_of(step), failures.append,
+                              before=visible_and_fetched)
         if not any_process(found is None):
             return found
         log.warning("loopkit: checkpoint %s could not be restored on every process; "

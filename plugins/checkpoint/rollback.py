@@ -18,7 +18,7 @@ import numpy as np
 
 from loopkit.errors import CheckpointError
 from loopkit.plugins.checkpoint.recovery import (
-    Found, any_process, common_steps, read_checkpoint,
+    Found, any_process, common_steps, fetch, read_together,
 )
 from loopkit.plugins.checkpoint.tier import Tier
 
@@ -77,15 +77,10 @@ def read_agreed(options: Sequence[tuple[int, Tier]],
     `CheckpointError` on every process."""
     failures: list[BaseException] = []
     many = jax.process_count() > 1
-    where = f" on process {jax.process_index()}" if many else ""
     for i, (step, tier) in enumerate(options):
-        found: Found | None = None
-        try:
-            found = read_checkpoint(tier.backend, step, like)
-        except Exception as ex:  # noqa: BLE001 - unreadable data: agree on it below
-            log.warning("loopkit: checkpoint %s is unreadable%s (%s: %s)",
-                        tier.path(step), where, type(ex).__name__, ex)
-            failures.append(ex)
+        found = read_together(tier.backend, step, like, tier.path(step),
+                              lambda f: failures.append(f[1]),
+                              before=lambda: fetch(tier.backend, step, like))
         if not any_process(found is None):
             assert found is not None
             return found, tier

@@ -127,6 +127,7 @@ class StagedBackend:
         self._name = re.compile(re.escape(basename) + r"-(0|[1-9][0-9]*)" + re.escape(suffix))
         self._pending: int | None = None  # saved locally, not yet uploaded
         self._fetched: set[int] = set()  # downloaded whole into the stage for reading
+        self._ready: tuple[int, int] | None = None  # (step, id(like)) of the last `fetch`
         #: (objects downloaded, objects in the checkpoint) by the latest read
         self.last_fetch: tuple[int, int] | None = None
         self._cleaned = False
@@ -331,22 +332,20 @@ class StagedBackend:
         if whole:  # a part is read once, by the restore it was chosen for
             self._fetched.add(step)
 
-    def restore(self, step: int, like: Any = None) -> tuple[Any, dict]:
-        failed: BaseException | None = None
-        try:
-            self._fetch(step, like)
-        except Exception as ex:  # noqa: BLE001 - agreed below, then raised
-            failed = ex
-        # many processes: orbax's read ends at a barrier, where the others would wait
-        # for a process whose download failed until orbax's timeout (300 s): agree first
-        if len(self._processes) > 1:
-            from loopkit.plugins.checkpoint.recovery import any_process
+    def fetch(self, step: int, like: Any = None) -> None:
+        """Download what `restore(step, like)` reads, without reading it.
 
-            if any_process(failed is not None) and failed is None:
-                raise CheckpointError(f"checkpoint {self.path(step)} could not be "
-                                      f"downloaded on another process")
-        if failed is not None:
-            raise failed
+        With many processes recovery calls this on every process and agrees on the
+        outcome before any restore starts: orbax's read ends at a barrier, where the
+        others would wait out orbax's 300 s for a process whose download failed.
+        """
+        self._fetch(step, like)
+        self._ready = (step, id(like))
+
+    def restore(self, step: int, like: Any = None) -> tuple[Any, dict]:
+        if self._ready != (step, id(like)):
+            self._fetch(step, like)
+        self._ready = None
         try:
             return self.local.restore(step, like)
         finally:
