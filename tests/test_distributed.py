@@ -363,8 +363,8 @@ def test_a_failed_local_save_on_one_process_stops_both_with_its_error(tmp_path):
     stop = re.search(r"every process stops at step (\d+)", outs[0][2])
     assert stop, outs[0][2][-3000:]
     stop = int(stop.group(1))
-    # the failure came 1 s after the write of 6 (--fail-local-save): the save of 9 waited
-    # for it and was skipped, and the agreement after it stopped both
+    # the failure comes once the save of 9 waits for the save of 6 (--fail-local-save):
+    # the save of 9 is skipped, and the agreement after it stops both
     assert stop >= 9 and local_steps(local / "process-1") == {3}, (stop, outs[1][2][-3000:])
     durable = loopkit.latest_checkpoint(run)[0]
     assert durable == 5 * ((stop - 1) // 5)  # an error stop saves nothing at its own step

@@ -18,8 +18,8 @@ every 3 steps.
 --backend NAME: Config.checkpoint_backend (default orbax).
 --fail-uploading P:STEP: under a URL logdir, process P's upload of its part of the
 checkpoint of STEP raises OSError (a network error).
---fail-local-save P:STEP: process P's orbax save of STEP raises OSError 1 s after orbax
-has written it (a full local disk, say).
+--fail-local-save P:STEP: process P's orbax save of STEP raises OSError once orbax has
+written it and the loop waits for it (a full local disk, say).
 --fail-downloading P:STEP: under a URL logdir, process P's download of the checkpoint
 of STEP raises OSError (a network error).
 --die-uploading P:STEP: under a URL logdir, process P SIGKILLs itself in the middle of
@@ -231,21 +231,29 @@ def fail_downloading(step):
 
 
 def fail_local_save(step):
-    """The orbax backend's save of `step` on this process fails once orbax has written it."""
+    """The orbax backend's save of `step` on this process fails once orbax has written it,
+    and only when the loop has come to wait for that save (the next local save's join),
+    so the next save always finds it in flight, waits for it and meets the failure."""
     from loopkit.plugins.checkpoint.backends.orbax import OrbaxBackend
+    from loopkit.plugins.checkpoint.tier import Commit
 
-    wait = OrbaxBackend.wait
+    wait, join = OrbaxBackend.wait, Commit.join
+    joined = threading.Event()
 
     def wait_then_fail(self):
         pending = self._pending
         wait(self)
         if pending == step:
-            # late, so that the next local save (3 steps of --step-sleep on) always finds
-            # this one still in flight, waits for it and meets the failure
-            time.sleep(1.0)
+            joined.wait(120)
             raise OSError(f"injected local save failure of step {step}")
 
+    def join_and_tell(self, stopping, grace_secs):
+        if self.step == step:
+            joined.set()
+        return join(self, stopping, grace_secs)
+
     OrbaxBackend.wait = wait_then_fail
+    Commit.join = join_and_tell
 
 
 if __name__ == "__main__":
