@@ -11,7 +11,7 @@ import numpy as np
 
 __all__ = [
     "leaf_path", "leaves_with_paths", "abstract", "check_matches", "check_storable",
-    "conform", "is_key", "sharding_of", "trace_init",
+    "Guessed", "conform", "is_key", "sharding_of", "trace_init",
 ]
 
 log = logging.getLogger("loopkit")
@@ -266,16 +266,60 @@ def _device_put_shardings(jaxpr: Any) -> list[Any]:
     return [None if type(v).__name__ == "Literal" else made.get(v) for v in jaxpr.outvars]
 
 
+class Guessed(jax.ShapeDtypeStruct):
+    """A leaf of `init`'s abstract state whose sharding XLA chose, not `init` itself.
+
+    `init` did not place the leaf (no `jax.device_put`, no `out_shardings`) on a
+    mesh or several devices, so its sharding is the one XLA gives `jax.jit(init)`'s
+    output, which `init` run for real may not give: on auto axes optax's state,
+    made beside parameters `init` placed, follows them, while XLA replicates it
+    (on explicit axes too, when the parameters came from a nested `jax.jit` with
+    ``out_shardings``), and a layout may be spelled otherwise (``P("d", None)``
+    for ``P("d")``), which is another program. A restore may place such a leaf
+    as the run that saved it had it.
+    """
+
+    __slots__ = ()
+
+
+def _guessed(x: jax.ShapeDtypeStruct, sharding: Any) -> Guessed:
+    """``x`` with the ``sharding`` XLA chose, marked as XLA's choice."""
+    return Guessed(x.shape, x.dtype, sharding=sharding, weak_type=x.weak_type)
+
+
+def _typed(x: jax.ShapeDtypeStruct, mesh: Any) -> Any:
+    """The sharding an explicit-axis trace gives ``x`` on the context ``mesh``, or None.
+
+    On explicit axes the trace's types are what compiling would give: a leaf's
+    type names its spec on the abstract mesh (a constant scalar has none: it is
+    replicated). Auto axes leave placement to XLA (None), except on a mesh of
+    one device, which has one placement (XLA may spell it otherwise; a restore
+    follows the saved spelling, `Guessed`).
+    """
+    if mesh is None:
+        return None
+    s = getattr(x, "sharding", None)
+    if isinstance(s, jax.sharding.NamedSharding) and s.mesh == mesh.abstract_mesh:
+        return jax.sharding.NamedSharding(mesh, s.spec)
+    explicit = all(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
+    if s is None and (explicit and len(x.shape) == 0 or mesh.size == 1):
+        # a constant scalar is replicated; on one device every layout is that one
+        return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return None
+
+
 def trace_init(init: Callable[[], PyTree]) -> tuple[PyTree, PyTree | None]:
     """(abstract state, built state or None) of a zero-argument `init`, running it only if needed.
 
     `init` is traced once (`jax.jit(init).trace()`): shapes, dtypes, weak types
-    and key types. Where shardings matter, the trace is lowered and compiled
-    (nothing runs) and the leaves take the compiled output shardings, on any
-    mesh (auto or explicit axes, or abstract), except those `init` placed itself
-    (`jax.device_put` to a sharding): when it placed every leaf, nothing is compiled. If tracing or lowering fails for
-    any reason (numpy on a traced value, `jax.set_mesh` inside, an unstorable
-    leaf), `init` is called once for real and that state is returned as built.
+    and key types. Where shardings matter, each leaf takes the sharding `init`
+    gave it itself (`jax.device_put`, a nested jit's `out_shardings`), else the
+    one its explicit-axis type names under `jax.set_mesh`, else the one XLA gives
+    the compiled `init` (lowered and compiled, nothing run; only when some leaf
+    needs it); those not placed by `init` are `Guessed`. If tracing or lowering
+    fails for any reason (numpy on a traced value, `jax.set_mesh` inside, an
+    unstorable leaf), `init` is called once for real and that state is returned
+    as built.
     """
     try:
         traced = jax.jit(init).trace()
@@ -283,17 +327,18 @@ def trace_init(init: Callable[[], PyTree]) -> tuple[PyTree, PyTree | None]:
         if _needs_shardings(like):
             leaves, treedef = jax.tree.flatten(like)
             placed = _device_put_shardings(traced.jaxpr.jaxpr)
-            if len(placed) == len(leaves) and all(p is not None for p in placed):
-                shardings = placed  # init placed every leaf itself: nothing to compile
-            else:
-                shardings = jax.tree.leaves(traced.lower().compile().output_shardings)
-            if len(shardings) == len(leaves) == len(placed):
-                # what init asked for with device_put wins over what XLA chose
-                # (on auto axes, a device_put inside jit is no constraint)
-                shardings = [p if p is not None else s for p, s in zip(placed, shardings)]
+            mesh = jax.sharding.get_mesh()
+            mesh = None if mesh.empty else mesh
+            known = [_typed(x, mesh) for x in leaves]
+            if any(p is None and k is None for p, k in zip(placed, known)):
+                compiled = jax.tree.leaves(traced.lower().compile().output_shardings)
+                known = [k if k is not None else c for k, c in zip(known, compiled)]
+            # what init asked for with device_put wins over the types and XLA's choice
+            # (on auto axes, a device_put inside jit is no constraint)
             like = jax.tree.unflatten(treedef, [
-                x.update(sharding=s) if s is not None else x
-                for x, s in zip(leaves, shardings)])
+                x.update(sharding=p) if p is not None
+                else _guessed(x, k) if k is not None else x
+                for x, p, k in zip(leaves, placed, known)])
         return like, None
     except Exception as ex:  # noqa: BLE001 - any failure: build it once, for real
         log.info("loopkit: init could not be traced (%s: %s); calling it",

@@ -66,12 +66,14 @@ def case(axes: str, reduce: str) -> dict:
     def init():
         w = jax.jit(lambda: jnp.arange(8.0 * devices).reshape(devices, 8) / 10,
                     out_shardings=row)()
-        return {"w": w, "b": jnp.zeros(8), "n": jnp.int32(0)}
+        # m beside w, as optax makes its state beside the parameters: `init` run for
+        # real places it like w, which jax.jit(init) does not tell on auto axes
+        return {"w": w, "m": jnp.zeros_like(w), "b": jnp.zeros(8), "n": jnp.int32(0)}
 
     def step(s, x):
         loss = jnp.mean((jnp.tanh(s["w"] * x) + s["b"]) ** 2)
-        return ({"w": s["w"] * 0.99 + x * 1e-3, "b": s["b"] - 1e-3 * loss, "n": s["n"] + 1},
-                {"loss": loss})
+        return ({"w": s["w"] * 0.99 + x * 1e-3, "m": s["m"] * 0.9 + x,
+                 "b": s["b"] - 1e-3 * loss, "n": s["n"] + 1}, {"loss": loss})
 
     def data(start):
         for i in range(start, 10**6):

@@ -1,10 +1,14 @@
 """Trains a state sharded by a callable init over 4 CPU devices; stopped, resumed, compared.
 
-argv: directory mesh_kind ("auto" or "explicit"); both backends run. Prints OK on success.
+argv: directory mesh_kind ("auto" or "explicit"); both backends run, under `jax.set_mesh`
+and (auto axes) without it. `m` is made beside `w` as optax makes its state beside the
+parameters (`zeros_like`): `init` run for real places it like `w`, which `jax.jit(init)`
+does not tell on auto axes. Prints OK on success.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -26,25 +30,34 @@ rows, replicated = NamedSharding(mesh, P("d")), NamedSharding(mesh, P())
 
 def init():
     w = jax.device_put(jnp.arange(32.0).reshape(8, 4), rows)
-    return {"w": w, "lr": 0.5, "key": jax.random.key(0), "b": jax.device_put(jnp.zeros(4), replicated)}
+    return {"w": w, "m": jnp.zeros_like(w), "lr": 0.5, "key": jax.random.key(0),
+            "b": jax.device_put(jnp.zeros(4), replicated)}
 
 
 def step(s):
     key, sub = jax.random.split(s["key"])
     w = s["w"] * 0.9 + s["lr"] * jax.random.normal(sub, s["w"].shape)
-    return {"w": w, "lr": s["lr"], "key": key, "b": s["b"] + w.sum(0)}, {"loss": w.sum()}
+    return ({"w": w, "m": s["m"] * 0.5 + w, "lr": s["lr"], "key": key, "b": s["b"] + w.sum(0)},
+            {"loss": w.sum()})
 
 
 kw = dict(progress=False, disable=("summaries",), save_model_secs=None, autoload=False,
           data_sharding=None)
 for backend in ("orbax", "npz"):
-    logdir = os.path.join(directory, backend)
-    with jax.set_mesh(mesh):
-        want = loopkit.train(step, init=init, max_steps=6, **kw).state
-        for n in (2, 4, 6):  # stopped, resumed, resumed again
-            got = loopkit.train(step, init=init, logdir=logdir, checkpoint_backend=backend,
-                                max_steps=n, **kw).state
-    assert_same_state(got, want)
-    assert got["w"].sharding.is_equivalent_to(rows, 2), got["w"].sharding
-    assert len(got["w"].sharding.device_set) == 4
+    for context in ("set_mesh", "none") if kind == "auto" else ("set_mesh",):
+        logdir = os.path.join(directory, backend, context)
+        with jax.set_mesh(mesh) if context == "set_mesh" else contextlib.nullcontext():
+            want = loopkit.train(step, init=init, max_steps=6, **kw).state
+            for n in (2, 4, 6):  # stopped, resumed, resumed again
+                got = loopkit.train(step, init=init, logdir=logdir, checkpoint_backend=backend,
+                                    max_steps=n, **kw).state
+        assert_same_state(got, want)
+        for name in ("w", "m"):
+            assert got[name].sharding.is_equivalent_to(rows, 2), (name, got[name].sharding)
+            assert len(got[name].sharding.device_set) == 4
+        for name, x in jax.tree_util.tree_leaves_with_path(got):  # as the fresh run has them
+            y = want[name[0].key] if len(name) == 1 else None
+            if isinstance(x, jax.Array) and y is not None:
+                assert (x.sharding, x.committed) == (y.sharding, y.committed), (
+                    backend, context, name, x.sharding, y.sharding)
 print("OK", flush=True)

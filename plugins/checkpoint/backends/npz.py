@@ -227,7 +227,7 @@ class NpzBackend:
         for i, (rec, value) in enumerate(zip(records, values)):
             if rec.has_array:
                 as_jax, sharding = placement(want.get(rec.name), np.shape(value),
-                                             np.asarray(value).dtype)
+                                             np.asarray(value).dtype, rec.layout)
                 if as_jax:
                     placed.append(i)
                     shardings.append(sharding)

@@ -289,7 +289,8 @@ def read_arrays(reader: Any, path: Path, head: Head, records: Sequence[LeafRecor
         if not rec.has_array or 0 in struct.shape:
             stored_as.append(None)
             continue
-        as_jax, sharding = placement(like.get(rec.name), struct.shape, struct.dtype)
+        as_jax, sharding = placement(like.get(rec.name), struct.shape, struct.dtype,
+                                     rec.layout)
         name = "/".join(rec.path or ("state",))
         stored_as.append(name)
         stored[name] = rec.path or ("state",)
@@ -337,7 +338,8 @@ def read_arrays(reader: Any, path: Path, head: Head, records: Sequence[LeafRecor
         elif name is None:  # empty, not in orbax: made here, placed like the others
             struct = rec.struct()
             empty = np.zeros(struct.shape, struct.dtype)
-            as_jax, sharding = placement(like.get(rec.name), struct.shape, struct.dtype)
+            as_jax, sharding = placement(like.get(rec.name), struct.shape, struct.dtype,
+                                         rec.layout)
             if as_jax:
                 empties.append(len(out))
                 shardings.append(sharding)

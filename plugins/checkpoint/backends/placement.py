@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
-from loopkit.pytree import is_key, leaf_path
+from loopkit.pytree import Guessed, is_key, leaf_path
 
 
 def like_leaves(like: Any) -> dict[str, Any]:
@@ -25,25 +25,102 @@ def like_leaves(like: Any) -> dict[str, Any]:
     return {leaf_path(kp): leaf for kp, leaf in flat}
 
 
-def placement(like_leaf: Any, shape: tuple[int, ...], dtype: np.dtype) -> tuple[bool, Any]:
+def placement(like_leaf: Any, shape: tuple[int, ...], dtype: np.dtype,
+              layout: Any = None) -> tuple[bool, Any]:
     """(as a jax array?, sharding or None) for a stored leaf next to ``like_leaf``.
 
     A leaf becomes a jax array when ``like`` has a jax array or abstract leaf of
     the same shape there, and jax can hold its dtype as is (not float64 without
-    x64: never cast); it takes that leaf's sharding (None: the default device).
-    Anything else comes back as stored, on the host. A typed key in ``like`` places
-    its stored key data (the key's shape and trailing implementation dims).
+    x64: never cast); it takes that leaf's sharding (None: the default device),
+    or, where that sharding is XLA's guess (`Guessed`), the stored ``layout``
+    (`layout_of`) when it fits. Anything else comes back as stored, on the host.
+    A typed key in ``like`` places its stored key data (the key's shape and
+    trailing implementation dims).
     """
     if (isinstance(like_leaf, (jax.Array, jax.ShapeDtypeStruct)) and is_key(like_leaf.dtype)
             and tuple(like_leaf.shape) == tuple(shape)[:len(like_leaf.shape)]
             and np.dtype(dtype) == np.uint32):
-        return True, getattr(like_leaf, "sharding", None)
+        return True, _sharding(like_leaf, layout)
     if (isinstance(like_leaf, (jax.Array, jax.ShapeDtypeStruct))
             and not is_key(like_leaf.dtype)
             and tuple(like_leaf.shape) == tuple(shape)
             and jax.dtypes.canonicalize_dtype(dtype) == dtype):
-        return True, getattr(like_leaf, "sharding", None)
+        return True, _sharding(like_leaf, layout)
     return False, None
+
+
+# -- layouts: how a leaf was placed when saved --------------------------------------
+
+_LAYOUTS: dict[Any, Any] = {}  # sharding -> its layout: few shardings, thousands of leaves
+
+
+def layout_of(x: jax.Array) -> Any:
+    """How ``x`` is placed, as JSON, or None when it cannot be said portably.
+
+    ``"default"`` for an array left on the default device (not committed);
+    ``{"mesh": [[axis, size], ...], "spec": [...]}`` for a `NamedSharding`
+    (the spec's entries: None, an axis name, or a list of names).
+    """
+    if not x.committed:
+        return "default"
+    s = x.sharding
+    if not isinstance(s, jax.sharding.NamedSharding):
+        return None
+    try:
+        return _LAYOUTS[s]
+    except KeyError:
+        pass
+    spec: list[Any] = []
+    for entry in s.spec:
+        if entry is None or isinstance(entry, str):
+            spec.append(entry)
+        elif isinstance(entry, tuple) and all(isinstance(a, str) for a in entry):
+            spec.append(list(entry))
+        else:
+            return None  # P.UNCONSTRAINED and the like: not a layout
+    if getattr(s.spec, "unreduced", None) or getattr(s.spec, "reduced", None):
+        return None
+    out = {"mesh": [[str(n), int(k)] for n, k in zip(s.mesh.axis_names, s.mesh.axis_sizes)],
+           "spec": spec}
+    if len(_LAYOUTS) < 1024:
+        _LAYOUTS[s] = out
+    return out
+
+
+def valid_layout(obj: Any) -> bool:
+    """Whether ``obj`` (read from a file: data, not trusted) is a layout `layout_of` writes."""
+    if obj == "default":
+        return True
+    return (isinstance(obj, dict) and isinstance(obj.get("mesh"), list)
+            and all(isinstance(a, list) and len(a) == 2 and isinstance(a[0], str)
+                    and type(a[1]) is int for a in obj["mesh"])
+            and isinstance(obj.get("spec"), list)
+            and all(e is None or isinstance(e, str)
+                    or (isinstance(e, list) and all(isinstance(a, str) for a in e))
+                    for e in obj["spec"]))
+
+
+def _sharding(like_leaf: Any, layout: Any) -> Any:
+    """``like_leaf``'s sharding, or the saved ``layout`` where that is only XLA's guess.
+
+    `init` left the leaf's placement to XLA (`Guessed`: `init` run for real may
+    place it otherwise, as optax's state beside parameters it placed); the run that
+    saved it had it as ``layout``, which is taken when its mesh has the guess's
+    axes and sizes, and "the default device" with one process (a host-local
+    replica with several is the replicas' business).
+    """
+    guess = getattr(like_leaf, "sharding", None)
+    if layout is None or not isinstance(like_leaf, Guessed):
+        return guess
+    if layout == "default":
+        return None if jax.process_count() == 1 else guess
+    mesh = getattr(guess, "mesh", None)
+    if (not isinstance(mesh, jax.sharding.Mesh)
+            or [[n, k] for n, k in zip(mesh.axis_names, mesh.axis_sizes)] != layout["mesh"]):
+        return guess
+    spec = [tuple(e) if isinstance(e, list) else e for e in layout["spec"]]
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec),
+                                      memory_kind=guess.memory_kind)
 
 
 def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:

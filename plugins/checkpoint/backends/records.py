@@ -18,7 +18,9 @@ import ml_dtypes
 import numpy as np
 
 from loopkit.errors import CheckpointError
+from loopkit.plugins.checkpoint.backends.placement import layout_of, valid_layout
 from loopkit.pytree import is_key, leaf_path
+
 
 def dtype_name(dtype: np.dtype) -> str:
     """A name `dtype_from_name` turns back into ``dtype`` (numpy's own, or an ml_dtypes name)."""
@@ -59,6 +61,8 @@ class LeafRecord(NamedTuple):
     ``shape`` of what is stored: a key stores its key data (uint32) and its
     implementation's name as ``impl``; ``weak`` marks a weakly-typed jax array.
     ``member`` is where a backend keeps the data (the npz member's name).
+    ``layout`` is how a jax leaf was placed when saved (`placement.layout_of`), which a
+    restore follows for a leaf whose sharding `init` left to XLA (`loopkit.pytree.Guessed`).
     """
 
     path: tuple[str, ...]
@@ -69,6 +73,7 @@ class LeafRecord(NamedTuple):
     impl: str | None = None
     weak: bool = False
     member: str | None = None
+    layout: Any = None
 
     @property
     def name(self) -> str:
@@ -105,6 +110,8 @@ class LeafRecord(NamedTuple):
                 out["weak"] = True
             if self.member is not None:
                 out["member"] = self.member
+            if self.layout is not None:
+                out["layout"] = self.layout
         return out
 
     @classmethod
@@ -122,6 +129,7 @@ class LeafRecord(NamedTuple):
             return cls(path, kind, value=obj["value"])
         shape, impl, weak, member = (obj.get("shape"), obj.get("impl"), obj.get("weak", False),
                                      obj.get("member"))
+        layout = obj.get("layout")
         try:
             dtype_from_name(obj.get("dtype"))
         except TypeError as e:
@@ -129,9 +137,10 @@ class LeafRecord(NamedTuple):
         if not (kind in _ARRAY_KINDS and type(weak) is bool and isinstance(shape, list)
                 and all(type(n) is int and n >= 0 for n in shape)
                 and (impl is None if kind != "key" else isinstance(impl, str))
-                and (member is None or isinstance(member, str))):
+                and (member is None or isinstance(member, str))
+                and (layout is None or valid_layout(layout))):
             raise ValueError(f"leaf {'/'.join(path)!r}: malformed record")
-        return cls(path, kind, obj["dtype"], tuple(shape), None, impl, weak, member)
+        return cls(path, kind, obj["dtype"], tuple(shape), None, impl, weak, member, layout)
 
 
 def leaf_records(state: Any) -> tuple[list[LeafRecord], list[Any]]:
@@ -155,12 +164,13 @@ def leaf_records(state: Any) -> tuple[list[LeafRecord], list[Any]]:
             records.append(LeafRecord(path, "py", value=leaf))
             leaves.append(None)
         else:
-            impl, weak = None, False
+            impl, weak, layout = None, False, None
             if isinstance(leaf, jax.Array) and is_key(leaf.dtype):
-                kind, impl = "key", str(jax.random.key_impl(leaf))
+                kind, impl, layout = "key", str(jax.random.key_impl(leaf)), layout_of(leaf)
                 leaf = jax.random.key_data(leaf)
             elif isinstance(leaf, jax.Array):
                 kind, weak = "jax", bool(getattr(leaf, "weak_type", False))
+                layout = layout_of(leaf)
             elif isinstance(leaf, np.generic):
                 kind = "npscalar"
             elif isinstance(leaf, np.ndarray):
@@ -172,7 +182,8 @@ def leaf_records(state: Any) -> tuple[list[LeafRecord], list[Any]]:
                 dtype = dtype_name(leaf.dtype)
             except TypeError as e:
                 raise TypeError(f"checkpoint leaf {'/'.join(path)!r}: {e}") from None
-            records.append(LeafRecord(path, kind, dtype, tuple(leaf.shape), None, impl, weak))
+            records.append(LeafRecord(path, kind, dtype, tuple(leaf.shape), None, impl, weak,
+                                      None, layout))
             leaves.append(leaf)
     return records, leaves
 
