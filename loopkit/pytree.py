@@ -284,26 +284,27 @@ class Guessed(jax.ShapeDtypeStruct):
 
 def _guessed(x: jax.ShapeDtypeStruct, sharding: Any) -> Guessed:
     """``x`` with the ``sharding`` XLA chose, marked as XLA's choice."""
-    return Guessed(x.shape, x.dtype, sharding=sharding, weak_type=x.weak_type)
+    return Guessed(x.shape, x.dtype, sharding=sharding, weak_type=x.weak_type,
+                   manual_axis_type=x.manual_axis_type, is_ref=x.is_ref)
 
 
-def _typed(x: jax.ShapeDtypeStruct, mesh: Any) -> Any:
+def _typed(x: jax.ShapeDtypeStruct, aval: Any, mesh: Any) -> Any:
     """The sharding an explicit-axis trace gives ``x`` on the context ``mesh``, or None.
 
     On explicit axes the trace's types are what compiling would give: a leaf's
-    type names its spec on the abstract mesh (a constant scalar has none: it is
+    type names its spec on the abstract mesh (a constant has none: it is
     replicated). Auto axes leave placement to XLA (None), except on a mesh of
     one device, which has one placement (XLA may spell it otherwise; a restore
-    follows the saved spelling, `Guessed`).
+    follows the saved spelling, `Guessed`). A leaf in another memory than the
+    device's (`jax.memory.Space.Host`) is left to the compile, which names it.
     """
-    if mesh is None:
+    if mesh is None or getattr(aval, "memory_space", None) != jax.memory.Space.Device:
         return None
     s = getattr(x, "sharding", None)
     if isinstance(s, jax.sharding.NamedSharding) and s.mesh == mesh.abstract_mesh:
         return jax.sharding.NamedSharding(mesh, s.spec)
     explicit = all(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
-    if s is None and (explicit and len(x.shape) == 0 or mesh.size == 1):
-        # a constant scalar is replicated; on one device every layout is that one
+    if s is None and (explicit or mesh.size == 1):
         return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     return None
 
@@ -329,7 +330,7 @@ def trace_init(init: Callable[[], PyTree]) -> tuple[PyTree, PyTree | None]:
             placed = _device_put_shardings(traced.jaxpr.jaxpr)
             mesh = jax.sharding.get_mesh()
             mesh = None if mesh.empty else mesh
-            known = [_typed(x, mesh) for x in leaves]
+            known = [_typed(x, a, mesh) for x, a in zip(leaves, traced.jaxpr.out_avals)]
             if any(p is None and k is None for p, k in zip(placed, known)):
                 compiled = jax.tree.leaves(traced.lower().compile().output_shardings)
                 known = [k if k is not None else c for k, c in zip(known, compiled)]

@@ -57,7 +57,7 @@ _VERSION = 1
 _READERS = min(4, os.cpu_count() or 1)  # threads reading members at once (more than cores: slower)
 
 from loopkit.plugins.checkpoint.backends.placement import (  # noqa: E402
-    aligned_empty, like_leaves, placement, put_into,
+    aligned_empty, layouts_hold, like_leaves, placement, put_into,
 )
 from loopkit.plugins.checkpoint.backends.records import (  # noqa: E402
     LeafRecord, dtype_from_name, finish, host_value, leaf_records, nest, read_records,
@@ -224,10 +224,12 @@ class NpzBackend:
             values = [host_value(rec, arr) for rec, arr in zip(records, arrays)]
         # placed in one batch: a device_put per leaf costs more than reading it
         placed, shardings = [], []
+        hold = layouts_hold(want, records, str(self.path(step)))
         for i, (rec, value) in enumerate(zip(records, values)):
             if rec.has_array:
                 as_jax, sharding = placement(want.get(rec.name), np.shape(value),
-                                             np.asarray(value).dtype, rec.layout)
+                                             np.asarray(value).dtype,
+                                             rec.layout if hold else None)
                 if as_jax:
                     placed.append(i)
                     shardings.append(sharding)

@@ -53,7 +53,7 @@ def sequence_nodes(state: Any) -> list[dict]:
     import jax
     import orbax.checkpoint as ocp
 
-    from loopkit.pytree import leaf_path
+    from loopkit.pytree import Guessed, leaf_path
 
     found: dict[tuple[str, ...], int] = {}
     leaf_types = (jax.Array, *_LEAF_TYPES)
@@ -98,7 +98,7 @@ def objects_needed(names: list[str], read_json: Any, like: Any) -> list[str] | N
 
     import jax
 
-    from loopkit.pytree import leaf_path
+    from loopkit.pytree import Guessed, leaf_path
 
     if like is None or any(n.startswith("ocdbt.") or n.endswith("manifest.ocdbt")
                            for n in names):
@@ -107,8 +107,8 @@ def objects_needed(names: list[str], read_json: Any, like: Any) -> list[str] | N
     flat, _ = jax.tree_util.tree_flatten_with_path(like, is_leaf=lambda x: x is None)
     for keypath, leaf in flat:
         sharding = getattr(leaf, "sharding", None)
-        if sharding is None or sharding.is_fully_addressable:
-            continue
+        if sharding is None or sharding.is_fully_addressable or isinstance(leaf, Guessed):
+            continue  # a Guessed leaf may be read with its saved layout: all of it
         shape = tuple(leaf.shape)
         name = ".".join(leaf_path((k,)) for k in keypath) or "state"
         shards[name] = shape, list(sharding.addressable_devices_indices_map(shape).values())

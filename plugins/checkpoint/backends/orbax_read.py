@@ -28,7 +28,7 @@ from loopkit.plugins.checkpoint.backends.orbax_layout import (
     HEAD_KEY, READS, Head, is_orbax_tree, split_kvstore,
 )
 from loopkit.plugins.checkpoint.backends.placement import (
-    aligned_empty, like_leaves, placement, put_all, put_into,
+    aligned_empty, layouts_hold, like_leaves, placement, put_all, put_into,
 )
 from loopkit.plugins.checkpoint.backends.records import (
     LeafRecord, dtype_name, finish, host_value, nest, read_records,
@@ -284,13 +284,14 @@ def read_arrays(reader: Any, path: Path, head: Head, records: Sequence[LeafRecor
     stored, args, puts = {}, {}, {}
     host: dict[str, tuple[str, ...]] = {}  # read whole to the host
     stored_as: list[str | None] = []  # each record's name in orbax (None: not in orbax)
+    hold = layouts_hold(like, head.records, str(path))
     for rec in records:
         struct = rec.struct()
         if not rec.has_array or 0 in struct.shape:
             stored_as.append(None)
             continue
         as_jax, sharding = placement(like.get(rec.name), struct.shape, struct.dtype,
-                                     rec.layout)
+                                     rec.layout if hold else None)
         name = "/".join(rec.path or ("state",))
         stored_as.append(name)
         stored[name] = rec.path or ("state",)
@@ -339,7 +340,7 @@ def read_arrays(reader: Any, path: Path, head: Head, records: Sequence[LeafRecor
             struct = rec.struct()
             empty = np.zeros(struct.shape, struct.dtype)
             as_jax, sharding = placement(like.get(rec.name), struct.shape, struct.dtype,
-                                         rec.layout)
+                                         rec.layout if hold else None)
             if as_jax:
                 empties.append(len(out))
                 shardings.append(sharding)

@@ -8,6 +8,7 @@ tens of µs of Python, which thousands of leaves add up.
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any, Sequence
 
@@ -15,6 +16,8 @@ import jax
 import numpy as np
 
 from loopkit.pytree import Guessed, is_key, leaf_path
+
+log = logging.getLogger("loopkit")
 
 
 def like_leaves(like: Any) -> dict[str, Any]:
@@ -63,7 +66,11 @@ def layout_of(x: jax.Array) -> Any:
     """
     if not x.committed:
         return "default"
-    s = x.sharding
+    return _named_layout(x.sharding)
+
+
+def _named_layout(s: Any) -> Any:
+    """A `NamedSharding`'s layout (`layout_of`), or None for any other sharding."""
     if not isinstance(s, jax.sharding.NamedSharding):
         return None
     try:
@@ -87,6 +94,42 @@ def layout_of(x: jax.Array) -> Any:
     return out
 
 
+def _same_layout(a: Any, b: Any) -> bool:
+    """Whether two layouts place alike (``P("d")`` is ``P("d", None)``; on a mesh of one
+    device every spec is the one placement)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        if a["mesh"] != b["mesh"]:
+            return False
+        if math.prod(k for _, k in a["mesh"]) == 1:
+            return True
+        trim = lambda spec: spec[:len(spec) - next(  # noqa: E731
+            (i for i, e in enumerate(reversed(spec)) if e is not None), len(spec))]
+        return trim(a["spec"]) == trim(b["spec"])
+    return a == b
+
+
+def layouts_hold(like: dict[str, Any], records: Sequence[Any], where: str) -> bool:
+    """Whether the saved layouts describe this run: `init` places the leaves it places
+    itself as the run that saved ``where`` had them.
+
+    When it places one otherwise (a parameter resharded between runs), the leaves
+    that follow it (optax's state) must follow it anew: the `Guessed` leaves then
+    get XLA's choice, not their saved layouts.
+    """
+    for rec in records:
+        leaf = like.get(rec.name)
+        if (rec.layout is None or isinstance(leaf, Guessed)
+                or not isinstance(getattr(leaf, "sharding", None), jax.sharding.NamedSharding)):
+            continue
+        if not _same_layout(_named_layout(leaf.sharding), rec.layout):
+            if any(isinstance(x, Guessed) for x in like.values()):
+                log.info("loopkit: init places %r otherwise than the run that saved %s; "
+                         "the leaves init does not place take XLA's placement, not the "
+                         "saved one", rec.name, where)
+            return False
+    return True
+
+
 def valid_layout(obj: Any) -> bool:
     """Whether ``obj`` (read from a file: data, not trusted) is a layout `layout_of` writes."""
     if obj == "default":
@@ -106,14 +149,16 @@ def _sharding(like_leaf: Any, layout: Any) -> Any:
     `init` left the leaf's placement to XLA (`Guessed`: `init` run for real may
     place it otherwise, as optax's state beside parameters it placed); the run that
     saved it had it as ``layout``, which is taken when its mesh has the guess's
-    axes and sizes, and "the default device" with one process (a host-local
-    replica with several is the replicas' business).
+    axes and sizes, and "the default device" with one process and no mesh set (a
+    host-local replica with several is the replicas' business). The caller passes
+    no layout when they no longer hold (`layouts_hold`).
     """
     guess = getattr(like_leaf, "sharding", None)
     if layout is None or not isinstance(like_leaf, Guessed):
         return guess
-    if layout == "default":
-        return None if jax.process_count() == 1 else guess
+    if layout == "default":  # not under a mesh, where jax commits every new array to it
+        single = jax.process_count() == 1 and jax.sharding.get_abstract_mesh().empty
+        return None if single else guess
     mesh = getattr(guess, "mesh", None)
     if (not isinstance(mesh, jax.sharding.Mesh)
             or [[n, k] for n, k in zip(mesh.axis_names, mesh.axis_sizes)] != layout["mesh"]):

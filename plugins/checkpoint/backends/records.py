@@ -130,6 +130,8 @@ class LeafRecord(NamedTuple):
         shape, impl, weak, member = (obj.get("shape"), obj.get("impl"), obj.get("weak", False),
                                      obj.get("member"))
         layout = obj.get("layout")
+        if not valid_layout(layout):
+            layout = None  # a hint only: one this version cannot read is left out
         try:
             dtype_from_name(obj.get("dtype"))
         except TypeError as e:
@@ -137,8 +139,7 @@ class LeafRecord(NamedTuple):
         if not (kind in _ARRAY_KINDS and type(weak) is bool and isinstance(shape, list)
                 and all(type(n) is int and n >= 0 for n in shape)
                 and (impl is None if kind != "key" else isinstance(impl, str))
-                and (member is None or isinstance(member, str))
-                and (layout is None or valid_layout(layout))):
+                and (member is None or isinstance(member, str))):
             raise ValueError(f"leaf {'/'.join(path)!r}: malformed record")
         return cls(path, kind, obj["dtype"], tuple(shape), None, impl, weak, member, layout)
 
