@@ -78,9 +78,6 @@ class PluginManager(pluggy.PluginManager):
         """The registered built-ins, in start order."""
         return [n for n in BUILTINS if self.origins.get(n) == "built-in"]
 
-    def builtin_plugins(self) -> list[Any]:
-        return [self.get_plugin(n) for n in self.builtin_names()]
-
     def call_on_stop(self, session: Session, error: BaseException | None) -> list[BaseException]:
         """Call every `on_stop` implementation, even when one raises; return their errors.
 

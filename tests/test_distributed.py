@@ -312,11 +312,13 @@ def test_two_processes_resume_from_their_own_local_tiers_bitwise(tmp_path):
     """Each process keeps its own local tier (its shards of a state sharded over both,
     in DIR/process-<i>): a job SIGKILLed after local saves newer than the durable one
     resumes from the newest local step both hold, bitwise; with one process's local
-    tier wiped (its machine lost), both resume from the durable step, bitwise."""
+    tier wiped (its machine lost), both resume from the durable step, bitwise. `m`
+    (`--momentum`: optax-like, placed by zeros_like on auto axes, not by init) comes
+    back with the layout the run saved, from either tier."""
     full, run, ref, local = (tmp_path / n for n in ("full", "run", "ref", "local"))
     for d in (full, run, ref):
         d.mkdir()
-    common = ("--save-steps", "10", "--shard-state", "--step-sleep", "0.05")
+    common = ("--save-steps", "10", "--shard-state", "--step-sleep", "0.05", "--momentum")
     finish(start(full, full, 2, 30, *common, devices=2))
     crashes = plan(run / "plan", ["crash 14", "crash 26", "ok"], ["crash 14", "crash 26", "ok"])
     tiers = ("--local-dir", str(local), *crashes)
@@ -328,10 +330,12 @@ def test_two_processes_resume_from_their_own_local_tiers_bitwise(tmp_path):
     assert want > 10, held  # every 3 steps: 12 committed before the kill at 14
     outs = finish(start(run, run, 2, 30, *common, *tiers, devices=2), ok=False)
     assert all(f"READY {want} " in out and "TIER local" in out for _, out, _ in outs), outs
-    assert all("SHARDING w spec=('data',) devices=4 local=2x[(2,)]" in out for _, out, _ in outs)
+    for name in ("w", "m"):
+        assert all(f"SHARDING {name} spec=('data',) devices=4 local=2x[(2,)]" in out
+                   for _, out, _ in outs), outs
     restored = load(str(run / "p0.npz") + ".ready.npz")  # what it resumed from
     finish(start(ref, ref, 2, want, *common, devices=2))
-    for k in ("w", "b"):  # the two local tiers' shards together: the state at that step
+    for k in ("w", "b", "m"):  # the two local tiers' shards together: the state at that step
         np.testing.assert_array_equal(load(ref / "p0.npz")[k], restored[k])
 
     # killed after step 26: durable 20, local 24; one machine lost with its local tier
@@ -340,8 +344,9 @@ def test_two_processes_resume_from_their_own_local_tiers_bitwise(tmp_path):
     shutil.rmtree(local / "process-1")
     outs = finish(start(run, run, 2, 30, *common, *tiers, devices=2))
     assert all("READY 20 " in out and "TIER durable" in out and "RESULT 30 max_steps" in out
+               and "SHARDING m spec=('data',) devices=4 local=2x[(2,)]" in out
                for _, out, _ in outs), outs
-    for k in ("w", "b"):
+    for k in ("w", "b", "m"):
         np.testing.assert_array_equal(load(full / "p0.npz")[k], load(run / "p0.npz")[k])
 
 

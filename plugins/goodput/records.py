@@ -190,7 +190,3 @@ def record_restart(logdir: Path | str, kind: str, exit_code: int | None,
     if old and not old.endswith(b"\n"):
         old += b"\n"
     storage.write_atomic(path, old + record.to_line().encode())
-
-
-def as_dict(record: Record) -> dict[str, Any]:
-    return {"event": record.event, **dataclasses.asdict(record)}

@@ -64,6 +64,7 @@ def main():
     p.add_argument("--fail-uploading", default=None)
     p.add_argument("--fail-local-save", default=None)
     p.add_argument("--fail-downloading", default=None)
+    p.add_argument("--momentum", action="store_true")  # a leaf `m` init does not place
     args = p.parse_args()
     if args.die_uploading is not None:
         who, step = map(int, args.die_uploading.split(":"))
@@ -103,7 +104,10 @@ def main():
     import loopkit
     from loopkit.plugins.checkpoint import RESTORED_TIER
 
-    mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    # --momentum: auto axes, where a compiled init leaves `m`'s placement to XLA (on
+    # explicit axes, jax.make_mesh's default, the trace's types already carry it)
+    axis_types = (jax.sharding.AxisType.Auto if args.momentum else jax.sharding.AxisType.Explicit,)
+    mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=axis_types)
     replicated = NamedSharding(mesh, P())
     batch_sharding = NamedSharding(mesh, P("data"))
     true_w = np.linspace(-1.0, 1.0, 8).astype(np.float32)
@@ -115,8 +119,11 @@ def main():
         if args.host_local:
             seed = jax.process_index() if args.differ else 0
             return {"w": jnp.full(8, float(seed)), "b": jnp.zeros(())}
-        return {"w": jax.device_put(jnp.zeros(8), w_sharding),
-                "b": jax.device_put(jnp.zeros(()), replicated)}
+        state = {"w": jax.device_put(jnp.zeros(8), w_sharding),
+                 "b": jax.device_put(jnp.zeros(()), replicated)}
+        if args.momentum:  # as optax's state: placed like `w` by zeros_like, not by init
+            state["m"] = jnp.zeros_like(state["w"])
+        return state
 
     def data(start_step):
         n, i = jax.process_count(), jax.process_index()
@@ -133,8 +140,13 @@ def main():
 
     def step_fn(state, batch):
         x, y = batch
-        loss, g = jax.value_and_grad(lambda s: jnp.mean((x @ s["w"] + s["b"] - y) ** 2))(state)
-        return jax.tree.map(lambda a, b: a - 0.05 * b, state, g), {"loss": loss}
+        wb = {"w": state["w"], "b": state["b"]}
+        loss, g = jax.value_and_grad(lambda s: jnp.mean((x @ s["w"] + s["b"] - y) ** 2))(wb)
+        if "m" not in state:
+            return jax.tree.map(lambda a, b: a - 0.05 * b, state, g), {"loss": loss}
+        m = 0.9 * state["m"] + g["w"]
+        return {"w": state["w"] - 0.05 * m, "b": state["b"] - 0.05 * g["b"], "m": m}, \
+            {"loss": loss}
 
     def host(state):
         from jax.experimental import multihost_utils
@@ -189,7 +201,7 @@ def main():
                       hang_timeout_secs=args.hang_secs, checkpoint_backend=args.backend,
                       **tiers)
     state = host(r.state)
-    np.savez(args.out, w=state["w"], b=state["b"], step=r.step)
+    np.savez(args.out, step=r.step, **state)
     print(f"RESULT {r.step} {r.stop_reason}", flush=True)
     if args.num_processes > 1:
         jax.distributed.shutdown()
