@@ -7,13 +7,14 @@ started here on a free port and stopped after; each service's standard environme
 ``TENSORSTORE_GCS_HTTP_URL`` for tensorstore) points every part of loopkit at it for
 each test only. Nothing leaves the machine.
 
-Every one-process test and the main two-process scenario (SIGKILLed, resumed bitwise,
-read by others, resized) run on both stores. Each failure scenario of a two-process job
-(a process killed or failing in its upload, a failed local save or download, a hang,
-local tiers, npz replicas, a job that grew) runs on one store, `ONE_STORE`: the logic
-under test is loopkit's staged backend, the same for both, and every scenario on both
-would cost CI about two minutes more. The stores alternate between scenarios, so each
-store's client library (s3fs, gcsfs) still meets the failures.
+The one-process tests of what a user does with a bucket (train and resume, helpers and
+CLI, events, an evaluator following, a partial upload) run on both stores. Each crash
+and each two-process scenario (SIGKILLed and resumed, a process killed or failing in its
+upload, a failed local save or download, a hang, local tiers, npz replicas, a job that
+grew or shrank) runs on one store (`one_store`): the logic under test is loopkit's staged
+backend, the same for both, and every scenario on both would cost CI's 15 minutes about
+two and a half more. The stores alternate between scenarios, so each store's client
+library (s3fs, gcsfs) still meets crashes, failures and two processes.
 """
 
 from __future__ import annotations
@@ -116,6 +117,11 @@ class Store:
 
     def download(self, prefix: str, local: Path) -> None:
         self.fs.get(f"{self.bucket}/{prefix}", str(local) + "/", recursive=True)
+
+
+def one_store(name: str):
+    """Run a scenario on one store only (see the module's docstring)."""
+    return pytest.mark.parametrize("store", [name], indirect=True)
 
 
 @pytest.fixture(params=["s3", "gs"])
@@ -327,6 +333,7 @@ def _load_worker():
     return module
 
 
+@one_store("s3")
 def test_sigkill_during_saves_to_a_bucket_then_resume_equals_uninterrupted(store, tmp_path):
     max_steps, save_steps = 30, 3
     w = _load_worker()
@@ -405,11 +412,7 @@ def _dirs(tmp_path, *names):
 SHARDED = ("--save-steps", "5", "--shard-state")
 
 
-def one_store(name: str):
-    """Run a two-process failure scenario on one store only (see the module's docstring)."""
-    return pytest.mark.parametrize("store", [name], indirect=True)
-
-
+@one_store("gs")
 def test_two_processes_sigkilled_on_a_bucket_resume_bitwise_and_others_read_it(
         store, tmp_path, quick_lease):
     """`w` is sharded over both processes' devices by init; `m` (as optax's state, a
