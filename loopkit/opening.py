@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from loopkit.pytree import abstract, check_matches, conform, trace_init
+from loopkit.init_trace import trace_init
+from loopkit.pytree import abstract, check_matches, conform
 
 if TYPE_CHECKING:
     from loopkit.checkpoint import Restored

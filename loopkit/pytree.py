@@ -1,20 +1,20 @@
-"""Pytree helpers: leaf paths as users write them, the ready check, and `init`'s abstract state."""
+"""Pytree helpers: leaf paths as users write them, abstract states, the ready check.
+
+`init`'s abstract state for a restore (traced, not run) is `loopkit.init_trace`'s.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import logging
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import numpy as np
 
 __all__ = [
     "leaf_path", "leaves_with_paths", "abstract", "check_matches", "check_storable",
-    "Guessed", "conform", "is_key", "sharding_of", "trace_init",
+    "conform", "is_key", "sharding_of",
 ]
-
-log = logging.getLogger("loopkit")
 
 PyTree = Any
 _PY_SCALARS = (bool, int, float, complex, str)
@@ -235,114 +235,3 @@ def conform(state: PyTree, like: PyTree) -> PyTree:
     if len(got) != len(want) or set(got) != set(want):
         return state
     return jax.tree.unflatten(like_def, [got[p] for p in want])
-
-
-# -- init's abstract state -------------------------------------------------------------
-
-
-def _needs_shardings(like: PyTree) -> bool:
-    """Whether lowering must tell where the leaves live (several devices, or a mesh).
-
-    Under `jax.set_mesh` even a one-device state is committed to the mesh
-    (`NamedSharding`): a restore must place it so, or the step compiles again.
-    """
-    if jax.device_count() > 1 or not jax.sharding.get_abstract_mesh().empty:
-        return True
-    return any(getattr(getattr(x, "sharding", None), "mesh", None) is not None
-               for x in jax.tree.leaves(like))
-
-
-def _device_put_shardings(jaxpr: Any) -> list[Any]:
-    """For each output of ``jaxpr``, the sharding a top-level ``device_put`` gave it, or None."""
-    made: dict[Any, Any] = {}
-    for eqn in jaxpr.eqns:
-        # a device_put, or a nested jit with out_shardings (`jax.jit(f, out_shardings=s)()`)
-        param = {"device_put": "devices", "jit": "out_shardings",
-                 "pjit": "out_shardings"}.get(eqn.primitive.name)
-        if param is not None:
-            for var, where in zip(eqn.outvars, eqn.params.get(param, ())):
-                if isinstance(where, jax.sharding.Sharding):
-                    made[var] = where
-    return [None if type(v).__name__ == "Literal" else made.get(v) for v in jaxpr.outvars]
-
-
-class Guessed(jax.ShapeDtypeStruct):
-    """A leaf of `init`'s abstract state whose sharding XLA chose, not `init` itself.
-
-    `init` did not place the leaf (no `jax.device_put`, no `out_shardings`) on a
-    mesh or several devices, so its sharding is the one XLA gives `jax.jit(init)`'s
-    output, which `init` run for real may not give: on auto axes optax's state,
-    made beside parameters `init` placed, follows them, while XLA replicates it
-    (on explicit axes too, when the parameters came from a nested `jax.jit` with
-    ``out_shardings``), and a layout may be spelled otherwise (``P("d", None)``
-    for ``P("d")``), which is another program. A restore may place such a leaf
-    as the run that saved it had it.
-    """
-
-    __slots__ = ()
-
-
-def _guessed(x: jax.ShapeDtypeStruct, sharding: Any) -> Guessed:
-    """``x`` with the ``sharding`` XLA chose, marked as XLA's choice."""
-    return Guessed(x.shape, x.dtype, sharding=sharding, weak_type=x.weak_type,
-                   manual_axis_type=x.manual_axis_type, is_ref=x.is_ref)
-
-
-def _typed(x: jax.ShapeDtypeStruct, aval: Any, mesh: Any) -> Any:
-    """The sharding an explicit-axis trace gives ``x`` on the context ``mesh``, or None.
-
-    On explicit axes the trace's types are what compiling would give: a leaf's
-    type names its spec on the abstract mesh (a constant has none: it is
-    replicated). Auto axes leave placement to XLA (None), except on a mesh of
-    one device, which has one placement (XLA may spell it otherwise; a restore
-    follows the saved spelling, `Guessed`). A leaf in another memory than the
-    device's (`jax.memory.Space.Host`) is left to the compile, which names it.
-    """
-    if mesh is None or getattr(aval, "memory_space", None) != jax.memory.Space.Device:
-        return None
-    s = getattr(x, "sharding", None)
-    if isinstance(s, jax.sharding.NamedSharding) and s.mesh == mesh.abstract_mesh:
-        return jax.sharding.NamedSharding(mesh, s.spec)
-    explicit = all(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
-    if s is None and (explicit or mesh.size == 1):
-        return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    return None
-
-
-def trace_init(init: Callable[[], PyTree]) -> tuple[PyTree, PyTree | None]:
-    """(abstract state, built state or None) of a zero-argument `init`, running it only if needed.
-
-    `init` is traced once (`jax.jit(init).trace()`): shapes, dtypes, weak types
-    and key types. Where shardings matter, each leaf takes the sharding `init`
-    gave it itself (`jax.device_put`, a nested jit's `out_shardings`), else the
-    one its explicit-axis type names under `jax.set_mesh`, else the one XLA gives
-    the compiled `init` (lowered and compiled, nothing run; only when some leaf
-    needs it); those not placed by `init` are `Guessed`. If tracing or lowering
-    fails for any reason (numpy on a traced value, `jax.set_mesh` inside, an
-    unstorable leaf), `init` is called once for real and that state is returned
-    as built.
-    """
-    try:
-        traced = jax.jit(init).trace()
-        like = traced.out_info
-        if _needs_shardings(like):
-            leaves, treedef = jax.tree.flatten(like)
-            placed = _device_put_shardings(traced.jaxpr.jaxpr)
-            mesh = jax.sharding.get_mesh()
-            mesh = None if mesh.empty else mesh
-            known = [_typed(x, a, mesh) for x, a in zip(leaves, traced.jaxpr.out_avals)]
-            if any(p is None and k is None for p, k in zip(placed, known)):
-                compiled = jax.tree.leaves(traced.lower().compile().output_shardings)
-                known = [k if k is not None else c for k, c in zip(known, compiled)]
-            # what init asked for with device_put wins over the types and XLA's choice
-            # (on auto axes, a device_put inside jit is no constraint)
-            like = jax.tree.unflatten(treedef, [
-                x.update(sharding=p) if p is not None
-                else _guessed(x, k) if k is not None else x
-                for x, p, k in zip(leaves, placed, known)])
-        return like, None
-    except Exception as ex:  # noqa: BLE001 - any failure: build it once, for real
-        log.info("loopkit: init could not be traced (%s: %s); calling it",
-                 type(ex).__name__, _short(str(ex), 200))
-    built = init()
-    return abstract(built), built

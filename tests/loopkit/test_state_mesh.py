@@ -83,6 +83,9 @@ def test_a_resumed_session_compiles_what_a_fresh_one_does_and_the_cache_serves_i
         # the step once, and on CPU its save variant once: "mean" adds no recompile
         assert steps["fresh"] == ["jit(inner)", "jit(inner_with_spare)"], (name, c)
         assert steps["resumed"] == steps["fresh"], (name, c)  # a restore changes no signature
+        # nor does it compile init to learn where its leaves go: the trace's types say it
+        # (explicit axes, one device) or the checkpoint's layouts do (m, on auto axes)
+        assert "jit(init)" not in c["resumed"]["compiled"], (name, c["resumed"])
         # a restart reads the step from the cache beside the run: nothing compiled anew
         hits = sorted(h for h in c["cached"]["cache_hits"] if "inner" in h)
         assert hits == ["jit_inner", "jit_inner_with_spare"], (name, c["cached"])

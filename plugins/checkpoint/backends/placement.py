@@ -15,7 +15,8 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
-from loopkit.pytree import Guessed, is_key, leaf_path
+from loopkit.init_trace import Guessed
+from loopkit.pytree import is_key, leaf_path
 
 log = logging.getLogger("loopkit")
 
@@ -153,19 +154,21 @@ def _sharding(like_leaf: Any, layout: Any) -> Any:
     host-local replica with several is the replicas' business). The caller passes
     no layout when they no longer hold (`layouts_hold`).
     """
-    guess = getattr(like_leaf, "sharding", None)
-    if layout is None or not isinstance(like_leaf, Guessed):
-        return guess
+    if not isinstance(like_leaf, Guessed):
+        return getattr(like_leaf, "sharding", None)
+    if layout is None:
+        return like_leaf.xla_sharding()
     if layout == "default":  # not under a mesh, where jax commits every new array to it
         single = jax.process_count() == 1 and jax.sharding.get_abstract_mesh().empty
-        return None if single else guess
-    mesh = getattr(guess, "mesh", None)
+        return None if single else like_leaf.xla_sharding()
+    mesh = like_leaf.mesh
     if (not isinstance(mesh, jax.sharding.Mesh)
             or [[n, k] for n, k in zip(mesh.axis_names, mesh.axis_sizes)] != layout["mesh"]):
-        return guess
+        return like_leaf.xla_sharding()
     spec = [tuple(e) if isinstance(e, list) else e for e in layout["spec"]]
-    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec),
-                                      memory_kind=guess.memory_kind)
+    # device memory: a leaf in another is never deferred, and its sharding names it
+    kind = getattr(like_leaf.sharding, "memory_kind", None)
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec), memory_kind=kind)
 
 
 def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:

@@ -62,7 +62,7 @@ class LeafRecord(NamedTuple):
     implementation's name as ``impl``; ``weak`` marks a weakly-typed jax array.
     ``member`` is where a backend keeps the data (the npz member's name).
     ``layout`` is how a jax leaf was placed when saved (`placement.layout_of`), which a
-    restore follows for a leaf whose sharding `init` left to XLA (`loopkit.pytree.Guessed`).
+    restore follows for a leaf whose sharding `init` left to XLA (`loopkit.init_trace.Guessed`).
     """
 
     path: tuple[str, ...]
