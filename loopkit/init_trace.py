@@ -84,19 +84,23 @@ class Guessed(jax.ShapeDtypeStruct):
 
 
 class _Deferred:
-    """The output shardings of a traced `init`, compiled on first need, once."""
+    """The output shardings of a lowered `init`, compiled on first need, once.
 
-    def __init__(self, traced: Any, mesh: jax.sharding.Mesh) -> None:
+    Lowered at once: what fails to lower (`jax.set_mesh` inside `init`) still sends
+    `trace_init` to calling `init`, before any restore.
+    """
+
+    def __init__(self, lowered: Any, mesh: jax.sharding.Mesh) -> None:
         self.mesh = mesh
-        self._traced: Any = traced
+        self._lowered: Any = lowered
         self._shardings: list[Any] = []
         self._lock = threading.Lock()  # a restore may place leaves from several threads
 
     def sharding(self, index: int) -> Any:
         with self._lock:
-            if self._traced is not None:
-                self._shardings = jax.tree.leaves(self._traced.lower().compile().output_shardings)
-                self._traced = None
+            if self._lowered is not None:
+                self._shardings = jax.tree.leaves(self._lowered.compile().output_shardings)
+                self._lowered = None
         return self._shardings[index]
 
 
@@ -146,9 +150,9 @@ def trace_init(init: Callable[[], PyTree]) -> tuple[PyTree, PyTree | None]:
     and key types. Where shardings matter, each leaf takes the sharding `init`
     gave it itself (`jax.device_put`, a nested jit's `out_shardings`), else the
     one its explicit-axis type names under `jax.set_mesh`, else the one XLA gives
-    the compiled `init` (lowered and compiled, nothing run; only when some leaf
-    needs it, and only when a restore asks where `init` places its leaves on one
-    mesh); those not placed by `init` are `Guessed`. If tracing or lowering
+    the compiled `init` (lowered and compiled, nothing run, when some leaf needs
+    it; where `init`'s leaves name one mesh, compiled only once a restore asks for
+    XLA's choice); those not placed by `init` are `Guessed`. If tracing or lowering
     fails for any reason (numpy on a traced value, `jax.set_mesh` inside, an
     unstorable leaf), `init` is called once for real and that state is returned
     as built.
@@ -169,7 +173,7 @@ def trace_init(init: Callable[[], PyTree]) -> tuple[PyTree, PyTree | None]:
                 if one is not None and all(
                         getattr(a, "memory_space", None) == jax.memory.Space.Device
                         for a, u in zip(traced.jaxpr.out_avals, unknown) if u):
-                    deferred = _Deferred(traced, one)
+                    deferred = _Deferred(traced.lower(), one)
                 else:
                     compiled = jax.tree.leaves(traced.lower().compile().output_shardings)
                     known = [k if k is not None else c for k, c in zip(known, compiled)]
