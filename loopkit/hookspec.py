@@ -168,7 +168,9 @@ def restore_state(session: Session, like: PyTree) -> Restored | None:
     checkpoints exist but none can be read. Stops at the first non-None result.
 
     :param session: the `loopkit.Session` (its state is not set yet).
-    :param like: the abstract state (`jax.ShapeDtypeStruct` leaves) of ``init``.
+    :param like: the abstract state (`jax.ShapeDtypeStruct` leaves) of ``init``; a
+        leaf `init` left to XLA to place is a `loopkit.init_trace.Guessed`, whose
+        ``sharding`` may be None (`xla_sharding()` compiles `init` for XLA's choice).
     """
 
 

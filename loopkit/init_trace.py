@@ -87,20 +87,30 @@ class _Deferred:
     """The output shardings of a lowered `init`, compiled on first need, once.
 
     Lowered at once: what fails to lower (`jax.set_mesh` inside `init`) still sends
-    `trace_init` to calling `init`, before any restore.
+    `trace_init` to calling `init`, before any restore. A compile that fails later
+    must not read as a corrupt checkpoint (a restore's error means one): the leaves
+    are then replicated on the mesh, which fits any of them, with a warning.
     """
 
     def __init__(self, lowered: Any, mesh: jax.sharding.Mesh) -> None:
         self.mesh = mesh
         self._lowered: Any = lowered
-        self._shardings: list[Any] = []
+        self._shardings: list[Any] | None = None  # None after a failed compile
         self._lock = threading.Lock()  # a restore may place leaves from several threads
 
     def sharding(self, index: int) -> Any:
         with self._lock:
             if self._lowered is not None:
-                self._shardings = jax.tree.leaves(self._lowered.compile().output_shardings)
-                self._lowered = None
+                lowered, self._lowered = self._lowered, None  # tried once, whatever happens
+                try:
+                    self._shardings = jax.tree.leaves(lowered.compile().output_shardings)
+                except Exception as ex:  # noqa: BLE001 - a placement, not the checkpoint's fault
+                    log.warning("loopkit: compiling init to learn where XLA puts the leaves "
+                                "init does not place failed (%s: %s); they are restored "
+                                "replicated on the mesh", type(ex).__name__,
+                                _short(str(ex), 200))
+        if self._shardings is None:
+            return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
         return self._shardings[index]
 
 
