@@ -108,7 +108,7 @@ def objects_needed(names: list[str], read_json: Any, like: Any) -> list[str] | N
     flat, _ = jax.tree_util.tree_flatten_with_path(like, is_leaf=lambda x: x is None)
     for keypath, leaf in flat:
         sharding = getattr(leaf, "sharding", None)
-        if sharding is None or sharding.is_fully_addressable or isinstance(leaf, Guessed):
+        if isinstance(leaf, Guessed) or sharding is None or sharding.is_fully_addressable:
             continue  # a Guessed leaf may be read with its saved layout: all of it
         shape = tuple(leaf.shape)
         name = ".".join(leaf_path((k,)) for k in keypath) or "state"

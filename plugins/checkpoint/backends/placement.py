@@ -88,11 +88,23 @@ def _named_layout(s: Any) -> Any:
             return None  # P.UNCONSTRAINED and the like: not a layout
     if getattr(s.spec, "unreduced", None) or getattr(s.spec, "reduced", None):
         return None
-    out = {"mesh": [[str(n), int(k)] for n, k in zip(s.mesh.axis_names, s.mesh.axis_sizes)],
-           "spec": spec}
+    out = {"mesh": _mesh_axes(s.mesh), "spec": spec}
     if len(_LAYOUTS) < 1024:
         _LAYOUTS[s] = out
     return out
+
+
+def _mesh_axes(mesh: Any) -> list[list[Any]]:
+    """A mesh as a layout names it: ``[[axis, size], ...]``."""
+    return [[str(n), int(k)] for n, k in zip(mesh.axis_names, mesh.axis_sizes)]
+
+
+def _trimmed(spec: list[Any]) -> list[Any]:
+    """``spec`` without its trailing Nones (``P("d", None)`` places as ``P("d")``)."""
+    spec = list(spec)
+    while spec and spec[-1] is None:
+        spec.pop()
+    return spec
 
 
 def _same_layout(a: Any, b: Any) -> bool:
@@ -101,11 +113,8 @@ def _same_layout(a: Any, b: Any) -> bool:
     if isinstance(a, dict) and isinstance(b, dict):
         if a["mesh"] != b["mesh"]:
             return False
-        if math.prod(k for _, k in a["mesh"]) == 1:
-            return True
-        trim = lambda spec: spec[:len(spec) - next(  # noqa: E731
-            (i for i, e in enumerate(reversed(spec)) if e is not None), len(spec))]
-        return trim(a["spec"]) == trim(b["spec"])
+        one_device = math.prod(k for _, k in a["mesh"]) == 1
+        return one_device or _trimmed(a["spec"]) == _trimmed(b["spec"])
     return a == b
 
 
@@ -162,8 +171,7 @@ def _sharding(like_leaf: Any, layout: Any) -> Any:
         single = jax.process_count() == 1 and jax.sharding.get_abstract_mesh().empty
         return None if single else like_leaf.xla_sharding()
     mesh = like_leaf.mesh
-    if (not isinstance(mesh, jax.sharding.Mesh)
-            or [[n, k] for n, k in zip(mesh.axis_names, mesh.axis_sizes)] != layout["mesh"]):
+    if not isinstance(mesh, jax.sharding.Mesh) or _mesh_axes(mesh) != layout["mesh"]:
         return like_leaf.xla_sharding()
     spec = [tuple(e) if isinstance(e, list) else e for e in layout["spec"]]
     # device memory: a leaf in another is never deferred, and its sharding names it
