@@ -35,8 +35,7 @@ def _checkpoints(args: argparse.Namespace) -> int:
     if not lines:
         print(f"no checkpoints in {args.logdir}", file=sys.stderr)
         return 1
-    for line in lines:
-        print(line)
+    print("\n".join(lines))
     return 0
 
 

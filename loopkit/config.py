@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import operator
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
@@ -23,15 +24,34 @@ def _is_num(v: Any) -> bool:
     return (isinstance(v, (int, float)) and not isinstance(v, bool)) and v == v
 
 
-def _secs(optional: bool):
+def _rule(ok: Callable[[Any], bool], allowed: str, optional: bool = False):
+    """A field check: a value passes when `ok(value)` (or it is None and `optional`)."""
+
     def check(v: Any) -> str | None:
-        if v is None and optional:
+        if (v is None and optional) or ok(v):
             return None
-        if _is_num(v) and v >= 0:
-            return None
-        return "a number of seconds >= 0" + (" or None" if optional else "")
+        return allowed + (" or None" if optional else "")
 
     return check
+
+
+def _number(what: str, op: str, bound: int, optional: bool = False, is_type=_is_num):
+    """A check for `what` `op` `bound`, e.g. ``_number("a number of seconds", ">=", 0)``."""
+    compare = operator.ge if op == ">=" else operator.gt
+    return _rule(lambda v: is_type(v) and compare(v, bound), f"{what} {op} {bound}", optional)
+
+
+def _secs(optional: bool, op: str = ">="):
+    return _number("a number of seconds", op, 0, optional)
+
+
+def _count(minimum: int, optional: bool):
+    return _number("an int", ">=", minimum, optional, _is_int)
+
+
+def _choice(*choices: str):
+    allowed = " or ".join(f'"{c}"' for c in choices)
+    return _rule(lambda v: isinstance(v, str) and v in choices, allowed)
 
 
 def _save_secs(v: Any) -> str | None:
@@ -41,27 +61,13 @@ def _save_secs(v: Any) -> str | None:
         'interruption rate)'
 
 
-def _count(minimum: int, optional: bool):
-    def check(v: Any) -> str | None:
-        if v is None and optional:
-            return None
-        if _is_int(v) and v >= minimum:
-            return None
-        return f"an int >= {minimum}" + (" or None" if optional else "")
-
-    return check
-
-
-def _bool(v: Any) -> str | None:
-    return None if isinstance(v, bool) else "True or False"
-
-
-def _optional_bool(v: Any) -> str | None:
-    return None if v is None or isinstance(v, bool) else "True, False or None"
-
-
-def _optional_callable(v: Any) -> str | None:
-    return None if v is None or callable(v) else "a callable or None"
+_bool = _rule(lambda v: isinstance(v, bool), "True or False")
+_optional_bool = _rule(lambda v: isinstance(v, bool), "True, False", optional=True)
+_optional_callable = _rule(callable, "a callable", optional=True)
+_hours = _number("a number of hours", ">", 0, optional=True)
+_metric_name = _rule(lambda v: isinstance(v, str) and v != "", "a metric name (str)", True)
+_basename = _rule(lambda v: isinstance(v, str) and v != "" and "/" not in v and os.sep not in v,
+                  "a non-empty file name without a directory separator")
 
 
 def _logdir(v: Any) -> str | None:
@@ -83,12 +89,6 @@ def _local_dir(v: Any) -> str | None:
             "not a URL: the durable tier is logdir")
 
 
-def _basename(v: Any) -> str | None:
-    if isinstance(v, str) and v and "/" not in v and os.sep not in v:
-        return None
-    return "a non-empty file name without a directory separator"
-
-
 def _backend(v: Any) -> str | None:
     if v is None or (isinstance(v, str) and v):
         return None
@@ -96,24 +96,6 @@ def _backend(v: Any) -> str | None:
     if all(callable(getattr(v, m, None)) for m in needed):
         return None
     return 'a backend name such as "orbax" or "npz", a CheckpointBackend instance, or None'
-
-
-def _hours(v: Any) -> str | None:
-    if v is None or (_is_num(v) and v > 0):
-        return None
-    return "a number of hours > 0 or None"
-
-
-def _metric_name(v: Any) -> str | None:
-    return None if v is None or (isinstance(v, str) and v) else "a metric name (str) or None"
-
-
-def _threshold(v: Any) -> str | None:
-    return None if v is None or (_is_num(v) and v > 1) else "a number > 1 or None"
-
-
-def _on_guard(v: Any) -> str | None:
-    return None if v in ("raise", "rollback") and isinstance(v, str) else '"raise" or "rollback"'
 
 
 def _profile_steps(v: Any) -> str | None:
@@ -129,15 +111,6 @@ def _profile_steps(v: Any) -> str | None:
     return "None or (first, last) global steps with 1 <= first <= last"
 
 
-def _positive_secs(optional: bool):
-    def check(v: Any) -> str | None:
-        if (v is None and optional) or (_is_num(v) and v > 0):
-            return None
-        return "a number of seconds > 0" + (" or None" if optional else "")
-
-    return check
-
-
 def _patterns(v: Any) -> str | None:
     if v is None:
         return None
@@ -148,10 +121,6 @@ def _patterns(v: Any) -> str | None:
         return None
     return ('None (every metric) or a non-empty tuple of fnmatch patterns over metric '
             'names, e.g. ("loss", "acc*"); each a non-empty str with balanced [ ]')
-
-
-def _reduce(v: Any) -> str | None:
-    return None if v in ("last", "mean") and isinstance(v, str) else '"last" or "mean"'
 
 
 def _hparams(v: Any) -> str | None:
@@ -224,20 +193,20 @@ class Config:
     progress: bool = _field(True, _bool)
     nan_guard: str | None = _field(None, _metric_name)
     profile_steps: tuple[int, int] | None = _field(None, _profile_steps)
-    profile_every_secs: float | None = _field(None, _positive_secs(True))
+    profile_every_secs: float | None = _field(None, _secs(True, ">"))
     profile_min_secs: float = _field(3, _secs(False))
     profile_min_steps: int = _field(5, _count(1, False))
     disable: tuple[str, ...] = _field((), _disable)
     autoload: bool = _field(True, _bool)
     summary_metrics: tuple[str, ...] | None = _field(None, _patterns)
-    summary_reduce: str = _field("last", _reduce)
+    summary_reduce: str = _field("last", _choice("last", "mean"))
     hparams: Mapping[str, bool | int | float | str] | None = _field(None, _hparams)
-    progress_secs: float = _field(10, _positive_secs(False))
+    progress_secs: float = _field(10, _secs(False, ">"))
     compilation_cache: bool = _field(True, _bool)
-    hang_timeout_secs: float | None = _field(None, _positive_secs(True))
-    spike_threshold: float | None = _field(None, _threshold)
+    hang_timeout_secs: float | None = _field(None, _secs(True, ">"))
+    spike_threshold: float | None = _field(None, _number("a number", ">", 1, True))
     spike_window: int = _field(100, _count(2, False))
-    on_guard: str = _field("raise", _on_guard)
+    on_guard: str = _field("raise", _choice("raise", "rollback"))
     max_rollbacks: int = _field(3, _count(0, False))
     local_checkpoint_dir: str | os.PathLike[str] | None = _field(None, _local_dir)
     save_local_secs: float | None = _field(60, _secs(True))
@@ -256,13 +225,11 @@ class Config:
                                  "to name the metric to watch (it is None)")
         if self.local_checkpoint_dir is not None:
             self._check_local_dir()
-        if self.disable is not None and not isinstance(self.disable, tuple):
-            object.__setattr__(self, "disable", tuple(self.disable))
+        object.__setattr__(self, "disable", tuple(self.disable))
         metrics = self.summary_metrics
-        if isinstance(metrics, str):
-            object.__setattr__(self, "summary_metrics", (metrics,))
-        elif metrics is not None and not isinstance(metrics, tuple):
-            object.__setattr__(self, "summary_metrics", tuple(metrics))
+        if metrics is not None:
+            metrics = (metrics,) if isinstance(metrics, str) else tuple(metrics)
+            object.__setattr__(self, "summary_metrics", metrics)
 
     def _check_local_dir(self) -> None:
         from loopkit.storage import normalise

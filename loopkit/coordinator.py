@@ -122,12 +122,9 @@ class Coordinator:
                 continue
             t.join(max(0.0, deadline - time.monotonic()))
             if t.is_alive():
+                log.warning("thread %r did not stop within stop_grace_secs=%s; leaving it "
+                            "behind", t.name, grace_secs)
                 stragglers.append(t)
-        for t in stragglers:
-            log.warning(
-                "thread %r did not stop within stop_grace_secs=%s; leaving it behind",
-                t.name, grace_secs,
-            )
         self._threads = stragglers
         return stragglers
 
@@ -159,12 +156,9 @@ class LooperThread(threading.Thread):
             next_time = time.monotonic()
             while not self._coord.stopped:
                 self._target_fn(*self._args, **self._kwargs)
-                next_time += self._interval
-                delay = next_time - time.monotonic()
-                if delay < 0:  # fell behind: don't try to catch up
-                    next_time = time.monotonic()
-                    delay = 0
-                if self._coord.wait_for_stop(delay):
+                # fell behind: don't try to catch up
+                next_time = max(next_time + self._interval, time.monotonic())
+                if self._coord.wait_for_stop(max(0.0, next_time - time.monotonic())):
                     break
         except BaseException as ex:  # noqa: BLE001 - handed to the main thread
             add_note(ex, f"raised in loopkit thread {self.name!r}")
@@ -189,10 +183,8 @@ class SignalHandlers:
         if threading.current_thread() is not threading.main_thread():
             return
         for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
+            with contextlib.suppress(ValueError, OSError):  # not the main interpreter
                 self._saved[sig] = signal.signal(sig, self._handle)
-            except (ValueError, OSError):  # pragma: no cover - not the main interpreter
-                pass
 
     def restore(self) -> None:
         for sig, old in self._saved.items():

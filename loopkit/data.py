@@ -43,8 +43,7 @@ class Input:
     `input_reader` hook's, e.g. the `prefetch` plugin's threads).
     """
 
-    def __init__(self, source: Iterator[Any], kind: str, start_step: int,
-                 skipped: tuple[tuple[int, int], ...] = (), offset: int = 0) -> None:
+    def __init__(self, source: Iterator[Any], kind: str, start_step: int) -> None:
         self.source = source
         self.kind = kind  # "iterable" | "callable" | "stateful"
         #: batches the source had consumed when it was opened (`data(start_step)`)
@@ -52,9 +51,9 @@ class Input:
         self._reader = Reader(source)
         #: batches consumed minus the global step: batches rollbacks skipped
         #: (`Config.on_guard`); a checkpoint of step s records s + offset consumed
-        self.offset = offset
+        self.offset = 0
         #: the batch ranges ``(first, end)`` skipped so far, oldest first
-        self.skipped: list[tuple[int, int]] = list(skipped)
+        self.skipped: list[tuple[int, int]] = []
 
     @property
     def reader(self) -> Reader:
@@ -84,12 +83,7 @@ class Input:
         """
         if self._reader.position is not None:
             return self._reader.position(step)
-        if self.kind == "stateful":
-            return self.source.get_state()
-        return None
-
-    def close(self) -> None:
-        pass
+        return self.source.get_state() if self.kind == "stateful" else None
 
 
 class Lookahead:
@@ -119,10 +113,8 @@ class Lookahead:
         return self
 
     def __next__(self) -> Any:
-        if not self._buf:
-            self.fill(1)
-            if not self._buf:
-                raise StopIteration
+        if not self._buf and not self.fill(1):
+            raise StopIteration
         if self._source is None:
             return self._buf.popleft()
         batch, self._last = self._buf.popleft()
@@ -172,8 +164,7 @@ def global_batch(sharding: Any, batch: Any) -> Any:
 
 def _open(data: Any, start_step: int, position: Any, restored: bool) -> Input:
     if callable(data) and not hasattr(data, "__iter__") and not hasattr(data, "__next__"):
-        it = iter(data(start_step))
-        return Input(it, "callable", start_step)
+        return Input(iter(data(start_step)), "callable", start_step)
     try:
         it = iter(data)
     except TypeError:

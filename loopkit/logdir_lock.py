@@ -125,9 +125,7 @@ class LogdirLock:
         return str(storage.join(self.logdir, LEASE_NAME))
 
     def _read_lease(self) -> dict[str, Any] | None:
-        if not storage.exists(self._lease):
-            return None
-        return read_json_object(lambda: storage.read_bytes(self._lease))
+        return read_json_object(lambda: storage.read_bytes(self._lease))  # None: no lease
 
     def _write_lease(self, since: float | None = None) -> None:
         lease = {**_holder(), "token": self._token, "renewed": time.time()}
@@ -139,36 +137,31 @@ class LogdirLock:
         renew = renew_secs()
         expiry = EXPIRY_RENEWALS * renew
         watched: tuple[Any, float] | None = None  # (its renewal stamp, when it expires)
-        while True:
-            lease = self._read_lease()
-            if lease is not None and lease.get("token") != self._token:
-                age = time.time() - float(lease.get("renewed", 0))
-                if watched is not None and lease.get("renewed") != watched[0]:
-                    raise _in_use(self.logdir, lease, "its lease was renewed while this run "
-                                                      "waited")
-                # expired by its own stamp, or unrenewed for `expiry` by this clock
-                stale = watched is not None and self._clock() >= watched[1]
-                if age < expiry and not stale:
-                    if watched is None:
-                        watched = (lease.get("renewed"), self._clock() + expiry - max(age, 0))
-                        log.warning(
-                            "loopkit: the logdir %s has a lease of process %s on host %r, "
-                            "renewed %.0f s ago; waiting up to %.0f s for it to expire (a "
-                            "run that died) or be renewed (a live run)", self.logdir,
-                            lease.get("pid"), lease.get("host"), age, expiry - age)
-                    time.sleep(min(renew / 4, 1.0))
-                    continue
+        while (lease := self._read_lease()) is not None and lease.get("token") != self._token:
+            age = time.time() - float(lease.get("renewed", 0))
+            if watched is not None and lease.get("renewed") != watched[0]:
+                raise _in_use(self.logdir, lease, "its lease was renewed while this run waited")
+            # expired by its own stamp, or unrenewed for `expiry` by this clock
+            if age >= expiry or (watched is not None and self._clock() >= watched[1]):
                 log.warning("loopkit: taking over the logdir %s from process %s on host %r, "
                             "whose lease was last renewed %.0f s ago", self.logdir,
                             lease.get("pid"), lease.get("host"), age)
-            storage.makedirs(self.logdir)
-            self._write_lease()
-            # two runs that wrote at once: the last write wins, the other one leaves
-            time.sleep(min(renew / 10, 0.5))
-            lease = self._read_lease()
-            if lease is None or lease.get("token") != self._token:
-                raise _in_use(self.logdir, lease, "it took the lease at the same time")
-            break
+                break
+            if watched is None:
+                watched = (lease.get("renewed"), self._clock() + expiry - max(age, 0))
+                log.warning(
+                    "loopkit: the logdir %s has a lease of process %s on host %r, "
+                    "renewed %.0f s ago; waiting up to %.0f s for it to expire (a "
+                    "run that died) or be renewed (a live run)", self.logdir,
+                    lease.get("pid"), lease.get("host"), age, expiry - age)
+            time.sleep(min(renew / 4, 1.0))
+        storage.makedirs(self.logdir)
+        self._write_lease()
+        # two runs that wrote at once: the last write wins, the other one leaves
+        time.sleep(min(renew / 10, 0.5))
+        lease = self._read_lease()
+        if lease is None or lease.get("token") != self._token:
+            raise _in_use(self.logdir, lease, "it took the lease at the same time")
         self._renewer = threading.Thread(target=self._renew, args=(renew,), daemon=True,
                                          name="loopkit-logdir-lease")
         self._renewer.start()

@@ -62,8 +62,7 @@ class PluginManager(pluggy.PluginManager):
         called implementation by implementation (`call_on_stop`), which a
         wrapper's ``yield`` around the others cannot take part in.
         """
-        impl = getattr(plugin, "on_stop", None)
-        opts = self.parse_hookimpl_opts(plugin, "on_stop") if impl is not None else None
+        opts = self.parse_hookimpl_opts(plugin, "on_stop") if hasattr(plugin, "on_stop") else None
         if opts and (opts.get("wrapper") or opts.get("hookwrapper")):
             raise PluginError(
                 f"plugin {name or _plugin_name(plugin)!r}: on_stop may not be a hook wrapper "
@@ -86,14 +85,13 @@ class PluginManager(pluggy.PluginManager):
         see that error: they must not, e.g., save a final checkpoint of a state a
         NaN guard just rejected.
         """
-        impls = list(reversed(self.hook.on_stop.get_hookimpls()))
         rank = {name: i for i, name in enumerate(self.builtin_names())}
-        others = [i for i in impls if i.plugin_name not in rank]
-        builtins = sorted((i for i in impls if i.plugin_name in rank),
-                          key=lambda i: -rank[i.plugin_name])
+        # a stable sort: the others keep pluggy's order, the built-ins come last, reversed
+        impls = sorted(reversed(self.hook.on_stop.get_hookimpls()),
+                       key=lambda i: (i.plugin_name in rank, -rank.get(i.plugin_name, 0)))
         errors: list[BaseException] = []
         kwargs: dict[str, Any] = {"session": session, "error": error}
-        for impl in others + builtins:
+        for impl in impls:
             try:
                 impl.function(*(kwargs[a] for a in impl.argnames))
             except BaseException as ex:  # noqa: BLE001 - every on_stop must run
@@ -142,12 +140,9 @@ class PluginManager(pluggy.PluginManager):
     def describe(self) -> list[tuple[str, str, list[str]]]:
         """(name, origin, hooks) for every plugin, registered or inactive."""
         rows = []
-        for name, origin in self.origins.items():
-            plugin = self.get_plugin(name)
-            hooks = sorted(
-                caller.name for caller in (self.get_hookcallers(plugin) or [])
-            ) if plugin is not None else []
-            rows.append((name, origin, hooks))
+        for name, origin in self.origins.items():  # registered: each has its hook callers
+            callers = self.get_hookcallers(self.get_plugin(name)) or []
+            rows.append((name, origin, sorted(caller.name for caller in callers)))
         for name, why in self.inactive.items():
             module = importlib.import_module(f"loopkit.plugins.{name}")
             rows.append((name, f"built-in, inactive: {why}", _module_hooks(module)))
@@ -165,14 +160,7 @@ def _module_hooks(module: Any) -> list[str]:
 
 
 def _plugin_name(obj: Any) -> str:
-    if inspect.ismodule(obj):
-        return obj.__name__
-    return type(obj).__name__
-
-
-def _load_builtin(name: str, config: Config) -> Any:
-    module = importlib.import_module(f"loopkit.plugins.{name}")
-    return module.plugin(config)
+    return obj.__name__ if inspect.ismodule(obj) else type(obj).__name__
 
 
 def make_plugin_manager(config: Config, plugins: Iterable[Any] = ()) -> PluginManager:
@@ -186,18 +174,15 @@ def make_plugin_manager(config: Config, plugins: Iterable[Any] = ()) -> PluginMa
         if name in disabled:
             pm.set_blocked(name)
             continue
-        plugin = _load_builtin(name, config)
+        module = importlib.import_module(f"loopkit.plugins.{name}")
+        plugin = module.plugin(config)
         if plugin is None:
-            pm.inactive[name] = getattr(
-                importlib.import_module(f"loopkit.plugins.{name}"), "INACTIVE", "off"
-            )
+            pm.inactive[name] = getattr(module, "INACTIVE", "off")
             continue
         loaded.append((name, plugin))
     for name, plugin in reversed(loaded):
         pm.register(plugin, name=name)
-        pm.origins[name] = "built-in"
-    # keep `origins` in start order for listings
-    pm.origins = {n: pm.origins[n] for n, _ in loaded}
+    pm.origins = {name: "built-in" for name, _ in loaded}  # in start order, for listings
 
     autoload = config.autoload and not os.environ.get(AUTOLOAD_ENV)
     for dist in importlib.metadata.distributions():
@@ -241,8 +226,6 @@ def make_plugin_manager(config: Config, plugins: Iterable[Any] = ()) -> PluginMa
 def _register(pm: PluginManager, obj: Any, name: str, origin: str) -> None:
     try:
         pm.register(obj, name=name)
-    except pluggy.PluginValidationError as ex:
-        raise PluginError(f"plugin {name!r} ({origin}): {ex}") from ex
-    except ValueError as ex:
+    except (pluggy.PluginValidationError, ValueError) as ex:
         raise PluginError(f"plugin {name!r} ({origin}): {ex}") from ex
     pm.origins[name] = origin

@@ -47,10 +47,8 @@ def is_key(dtype: Any) -> bool:
 def shape_dtype(x: Any) -> tuple[tuple[int, ...], Any]:
     """(shape, dtype) of a leaf as jax will hold it; dtype ``object`` for what jax cannot hold."""
     if isinstance(x, (jax.ShapeDtypeStruct, jax.Array, np.ndarray, np.generic)):
-        if is_key(x.dtype):
-            return tuple(x.shape), x.dtype
         # as jax will hold it: a float64 numpy init becomes float32 without x64
-        return tuple(x.shape), _canonical(x.dtype)
+        return tuple(x.shape), x.dtype if is_key(x.dtype) else _canonical(x.dtype)
     try:
         arr = np.asarray(x)
     except Exception:  # noqa: BLE001 - an object numpy cannot even wrap
@@ -99,8 +97,7 @@ def abstract(tree: PyTree) -> PyTree:
         if isinstance(x, jax.Array):
             return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding_of(x),
                                         weak_type=bool(getattr(x, "weak_type", False)))
-        weak = type(x) in (int, float, complex)
-        return jax.ShapeDtypeStruct(shape, dtype, weak_type=weak)
+        return jax.ShapeDtypeStruct(shape, dtype, weak_type=type(x) in (int, float, complex))
 
     return jax.tree.map(one, tree)
 
@@ -132,9 +129,7 @@ def _static_difference(a: Any, b: Any, keys: set[str]) -> str:
                 same = False
             if not same:
                 return f"static field {f.name!r} differs: {_short(va)} vs {_short(vb)}"
-    _, da = _children(a)
-    _, db = _children(b)
-    aux_a, aux_b = da.node_data(), db.node_data()
+    aux_a, aux_b = _children(a)[1].node_data(), _children(b)[1].node_data()
     return (f"the node's static data differs: {_short(aux_a[1] if aux_a else None)} vs "
             f"{_short(aux_b[1] if aux_b else None)}")
 
@@ -173,11 +168,10 @@ def check_matches(state: PyTree, like: PyTree, what: str = "the restored state")
     """
     got = dict(leaves_with_paths(state))
     want = dict(leaves_with_paths(like))
-    problems = []
-    for path in sorted(want.keys() - got.keys()):
-        problems.append(f"  {path or '<root>'}: missing from {what}")
-    for path in sorted(got.keys() - want.keys()):
-        problems.append(f"  {path or '<root>'}: in {what} but not in the init state")
+    problems = [f"  {path or '<root>'}: missing from {what}"
+                for path in sorted(want.keys() - got.keys())]
+    problems += [f"  {path or '<root>'}: in {what} but not in the init state"
+                 for path in sorted(got.keys() - want.keys())]
     for path in sorted(want.keys() & got.keys()):
         gs, gd = shape_dtype(got[path])
         ws, wd = shape_dtype(want[path])
@@ -207,9 +201,8 @@ def check_storable(state: PyTree) -> None:
             continue
         if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)) and is_key(leaf.dtype):
             continue
-        dtype = getattr(leaf, "dtype", None)
-        if not isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic)):
-            dtype = None
+        arrays = (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic)
+        dtype = leaf.dtype if isinstance(leaf, arrays) else None
         if dtype is None or np.dtype(dtype).kind == "O" or np.dtype(dtype).type is np.void:
             kind = f"an array of dtype {dtype}" if dtype is not None else type(leaf).__name__
             raise TypeError(

@@ -136,12 +136,11 @@ def run(command: Sequence[str], max_restarts: int = 3, max_preemptions: int = 10
             if rc == 0 and (status is None or reason in FINISHED):
                 return 0
             preempted = rc == 0 and reason == "signal"
-            progressed = _progressed(status)
             if preempted:
                 preemptions += 1
                 kind, wait = "preemption", backoff_secs
             else:
-                failures = 1 if progressed else failures + 1
+                failures = 1 if _progressed(status) else failures + 1
                 kind = "failure"
                 wait = min(backoff_secs * 2 ** (failures - 1), MAX_BACKOFF_SECS)
             if record is not None and (status or {}).get("logdir"):

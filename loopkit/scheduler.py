@@ -7,6 +7,7 @@ timers. The cost per step is the same for one timer or fifty.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 import zlib
@@ -100,7 +101,8 @@ class Scheduler:
         self.stop_step: float = NEVER
         self.on_stop_step: Callable[[], None] | None = None
         self._stop_at_data_end = False  # stop_step is where some process's data ends
-        self._agreement: Agreement | None = None
+        #: the multi-process `Agreement`, or None in a single process
+        self.agreement: Agreement | None = None
         #: seconds spent in each timer's action, by timer name
         self.spent: dict[str, float] = {}
         #: the timer action running now (its name, and when it started by
@@ -150,16 +152,11 @@ class Scheduler:
             self.set_stop_step(step, callback)
             self._stop_at_data_end = True
 
-    @property
-    def agreement(self) -> Agreement | None:
-        """The multi-process `Agreement`, or None in a single process."""
-        return self._agreement
-
     def read_ahead(self, supply: Callable[[int], int], session: Any, step: int) -> None:
         """Give the agreement the input's `supply` and hold a first round at `step`."""
-        assert self._agreement is not None
-        self._agreement.supply = supply
-        self._agreement.next_step = step
+        assert self.agreement is not None
+        self.agreement.supply = supply
+        self.agreement.next_step = step
         self._recompute()
         self.run_due(session, step)
 
@@ -171,7 +168,7 @@ class Scheduler:
         triggers are due, whether it got a stop signal) to one small all-reduce,
         and every process then runs the same actions at the same step.
         """
-        self._agreement = agreement
+        self.agreement = agreement
         agreement.next_step = step + agreement.interval
         self._recompute()
 
@@ -183,22 +180,21 @@ class Scheduler:
         for t in self.timers:
             if t.steps and not t.once and not t.cancelled:
                 t.next_step = (step // t.steps + 1) * t.steps
-        if self._agreement is not None:
-            self._agreement.next_step = step + self._agreement.interval
+        if self.agreement is not None:
+            self.agreement.next_step = step + self.agreement.interval
         if self._stop_at_data_end and self.stop_step < NEVER:
             self.stop_step = max(step, self.stop_step - back)
         self._recompute()
 
     def _recompute(self) -> None:
-        live = [t for t in self.timers if not t.cancelled]
-        self.timers = live
-        bounds = [t.next_step for t in live] + [self.stop_step]
-        if self._agreement is not None:
-            self.next_step = min(bounds + [self._agreement.next_step])
+        self.timers = [t for t in self.timers if not t.cancelled]
+        bounds = [t.next_step for t in self.timers] + [self.stop_step]
+        if self.agreement is not None:
+            self.next_step = min(bounds + [self.agreement.next_step])
             self.next_time = NEVER
         else:
             self.next_step = min(bounds)
-            self.next_time = min([t.next_time for t in live], default=NEVER)
+            self.next_time = min([t.next_time for t in self.timers], default=NEVER)
 
     def run_due(self, session: Any, step: int) -> None:
         """Run the actions due at `step`, in registration order, then re-arm them."""
@@ -209,10 +205,10 @@ class Scheduler:
             return
         now = self.clock()
         timers = list(self.timers)
-        if self._agreement is None:
+        if self.agreement is None:
             time_due = [now >= t.next_time for t in timers]
-        elif step >= self._agreement.next_step:
-            time_due = self._agreement.decide(step, now, timers)
+        elif step >= self.agreement.next_step:
+            time_due = self.agreement.decide(step, now, timers)
             if step >= self.stop_step:  # the agreement stops the run at this very step
                 self.run_due(session, step)
                 return
@@ -241,6 +237,7 @@ class Scheduler:
         self._recompute()
 
 
+@dataclasses.dataclass(eq=False)
 class Agreement:
     """Collective decisions for a multi-process session, taken every `interval` steps.
 
@@ -259,28 +256,24 @@ class Agreement:
     (`on_exhausted(step)`), so no process waits alone in a collective.
     """
 
-    def __init__(self, allreduce_max: Callable[[list[int]], list[int]],
-                 signal_pending: Callable[[], bool], on_signal: Callable[[], None],
-                 clock: Callable[[], float], interval: int = 10, target_secs: float = 0.5,
-                 max_interval: int = 1000, *,
-                 error_pending: Callable[[], int | None] = lambda: None,
-                 on_error: Callable[[int], None] = lambda process: None,
-                 on_exhausted: Callable[[int], None] = lambda step: None) -> None:
-        self.allreduce_max = allreduce_max
-        self.signal_pending = signal_pending
-        self.on_signal = on_signal
-        self.error_pending = error_pending
-        self.on_error = on_error
-        self.on_exhausted = on_exhausted
-        self.supply: Callable[[int], int] | None = None
-        self.clock = clock
-        self.interval = interval
-        self.target_secs = target_secs
-        self.max_interval = max_interval
-        self.next_step: float = NEVER
-        self._last = clock()
+    allreduce_max: Callable[[list[int]], list[int]]
+    signal_pending: Callable[[], bool]
+    on_signal: Callable[[], None]
+    clock: Callable[[], float]
+    interval: int = 10
+    target_secs: float = 0.5
+    max_interval: int = 1000
+    _: dataclasses.KW_ONLY
+    error_pending: Callable[[], int | None] = lambda: None
+    on_error: Callable[[int], None] = lambda process: None
+    on_exhausted: Callable[[int], None] = lambda step: None
+    supply: Callable[[int], int] | None = dataclasses.field(default=None, init=False)
+    next_step: float = dataclasses.field(default=NEVER, init=False)
 
     SLOTS = 64
+
+    def __post_init__(self) -> None:
+        self._last = self.clock()
 
     def _slot(self, timers: list[Timer], timer: Timer) -> int:
         """The vote slot of `timer`: a stable hash of its name, the same on every process.
@@ -314,8 +307,7 @@ class Agreement:
                                              0 if erred is None else erred + 1,
                                              longest - have, elapsed_ms])
         self._last = now
-        n = self.SLOTS
-        signal, erred_process, short, slowest_ms = agreed[n:n + 4]
+        signal, erred_process, short, slowest_ms = agreed[self.SLOTS:self.SLOTS + 4]
         due = [id(t) in where and bool(agreed[where[id(t)]]) for t in timers]
         # same inputs on every process -> same next interval everywhere
         per_step = max(slowest_ms / 1000.0, 1e-6) / self.interval

@@ -92,13 +92,12 @@ class Session:
         self.input: Input | None = None
         #: per-session plugin state (`StashKey` -> value)
         self.stash = Stash()
-        self.stats = SessionStats()
         self.plugin_manager = pm
         self.hook = pm.hook
         self.coord = coord if coord is not None else Coordinator()
         self._clock = clock or time.monotonic
         self._sched = Scheduler(self._clock)
-        self.stats.timer_secs = self._sched.spent  # the scheduler times each action
+        self.stats = SessionStats(timer_secs=self._sched.spent)  # the scheduler times actions
         self._step_fn = step_fn
         self._compiled: Any = None
         self._before: Any = None

@@ -12,9 +12,11 @@ marker object last). See docs/storage.md.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -73,8 +75,7 @@ def check_url(url: str, field: str = "path") -> None:
     scheme = scheme_of(url)
     if scheme is None:
         return
-    extra = _EXTRAS.get(scheme)
-    if extra is not None:
+    if scheme in _EXTRAS:
         _import_extra(url, field, scheme)
         return
     if importlib.util.find_spec("fsspec") is None:
@@ -112,12 +113,11 @@ def _import_extra(url: str, field: str, scheme: str) -> None:
             broken = broken or e
             missing.append(module)
     if missing:
-        err = ImportError(
+        raise ImportError(
             f"{field}={url!r} needs {', '.join(missing)}, which "
             + ("failed to import" if broken is not None else "is not installed")
             + f": install the extra jax-loopkit[{extra}] (pip install 'jax-loopkit[{extra}]')"
-            + (f" ({type(broken).__name__}: {broken})" if broken is not None else ""))
-        raise err from broken
+            + (f" ({type(broken).__name__}: {broken})" if broken is not None else "")) from broken
 
 
 def filesystem(url: str) -> tuple[Any, str]:
@@ -175,11 +175,10 @@ def size_and_mtime(path: Path | str) -> tuple[int, float]:
         total, newest = 0, path.stat().st_mtime
         for root, _dirs, files in os.walk(path):
             for f in files:
-                try:
+                with contextlib.suppress(FileNotFoundError):  # deleted while we look
                     st = os.stat(os.path.join(root, f))
-                except FileNotFoundError:  # deleted while we look
-                    continue
-                total += st.st_size
+                    total += st.st_size
+                    newest = max(newest, st.st_mtime)
         return total, newest
     fs, p = filesystem(str(path))
     entries = fs.find(p, detail=True)
@@ -252,20 +251,14 @@ def remove(path: Path | str) -> None:
     """Remove a file, an object, or a directory / prefix and all it holds (none: nothing)."""
     if is_url(path):
         fs, p = filesystem(str(path))
-        try:
+        with contextlib.suppress(FileNotFoundError):
             fs.rm(p, recursive=True)
-        except FileNotFoundError:
-            pass
         fs.invalidate_cache(p)
     elif os.path.isdir(path):
-        import shutil
-
         shutil.rmtree(path, ignore_errors=True)
     else:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
-        except FileNotFoundError:
-            pass
 
 
 def upload_tree(local: Path, url: str) -> None:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import os
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import jax
 
@@ -66,9 +67,8 @@ class Supervisor:
 
     @property
     def is_chief(self) -> bool:
-        if self.config.is_chief is not None:
-            return self.config.is_chief
-        return jax.process_index() == 0
+        chief = self.config.is_chief
+        return chief if chief is not None else jax.process_index() == 0
 
     @property
     def save_path(self) -> str | None:
@@ -132,8 +132,9 @@ class Supervisor:
 
     # -- the session -------------------------------------------------------------------
 
+    @contextlib.contextmanager
     def managed_session(self, step_fn: Callable[..., Any], init: Any, *,
-                        data: Any = None) -> _ManagedSession:
+                        data: Any = None) -> Iterator[Session]:
         """A context manager that starts a session and yields its `Session`.
 
         Start-up follows `prepare_or_wait_for_session`: recover from the latest
@@ -148,38 +149,24 @@ class Supervisor:
         with `data` set, read batches from `session.input.iterator`, or the
         saved input position will not match what the steps consumed.
         """
-        return _ManagedSession(self, step_fn, init, data)
-
-
-class _ManagedSession:
-    """The `with` block of `managed_session`: opens a `Session`, closes it on exit."""
-
-    def __init__(self, sv: Supervisor, step_fn: Callable[..., Any], init: Any, data: Any) -> None:
-        self.sv, self.step_fn, self.init, self.data = sv, step_fn, init, data
-
-    def __enter__(self) -> Session:
-        sv = self.sv
-        if sv._active:
+        if self._active:
             raise RuntimeError("this Supervisor already runs a session: leave its `with` "
                                "block first (or use another Supervisor)")
-        if sv._coord.stopped:  # a used coordinator; a fresh one keeps threads from sv.loop()
-            sv._coord = Coordinator()
-        sv._active = True
+        if self._coord.stopped:  # a used coordinator; a fresh one keeps threads from loop()
+            self._coord = Coordinator()
+        self._active = True
         try:
-            pm = make_plugin_manager(sv.config, sv._plugins)
-            session = Session(sv.config, pm, self.step_fn, sv._coord, sv._clock)
-            sv._session = session
-            session.open(self.init, self.data)
-        except BaseException:
-            sv._active = False
-            raise
-        return session
-
-    def __exit__(self, exc_type, exc, tb) -> bool:
-        # A StopIteration from the user's code is exhausted input: a normal stop,
-        # as OutOfRangeError was (the session records it as "data_exhausted").
-        try:
-            self.sv._session.close(exc)
+            pm = make_plugin_manager(self.config, self._plugins)
+            session = Session(self.config, pm, step_fn, self._coord, self._clock)
+            self._session = session
+            session.open(init, data)
+            try:
+                yield session
+            except BaseException as exc:
+                # A StopIteration from the user's code is exhausted input: a normal stop,
+                # as OutOfRangeError was (the session records it as "data_exhausted").
+                session.close(exc)  # raises whatever must be raised
+            else:
+                session.close()
         finally:
-            self.sv._active = False
-        return True  # close() raised whatever must be raised
+            self._active = False

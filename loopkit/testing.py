@@ -189,7 +189,6 @@ def kill_after_checkpoint(cmd: list[str], logdir: Any, min_step: int,
                           env: dict[str, str] | None = None) -> None:
     """Start `cmd` (a training process), SIGKILL it once `logdir/checkpoint` names a
     committed step >= `min_step`; for crash tests. Fails if it exits on its own first."""
-    import os
     import re
     import signal
     import subprocess
@@ -206,9 +205,7 @@ def kill_after_checkpoint(cmd: list[str], logdir: Any, min_step: int,
 
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        while True:
-            if named() >= min_step:
-                break
+        while named() < min_step:
             assert proc.poll() is None, proc.communicate()
             time.sleep(0.02)
         proc.send_signal(signal.SIGKILL)

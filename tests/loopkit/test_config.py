@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import loopkit
@@ -106,6 +107,9 @@ def test_config_and_keywords_combine_and_validate():
     (dict(nan_guard="loss", spike_threshold="3"), "Config.spike_threshold='3'"),
     (dict(nan_guard="loss", spike_window=1), "Config.spike_window=1 .* an int >= 2"),
     (dict(nan_guard="loss", on_guard="skip"), "Config.on_guard='skip' .* \"raise\" or \"rollback\""),
+    # an array is refused with the field's message, not numpy's "truth value is ambiguous"
+    (dict(nan_guard="loss", on_guard=np.array(["raise", "x"])), r"Config.on_guard=array\(.* \"raise\" or"),
+    (dict(summary_reduce=np.array(["last"])), r"Config.summary_reduce=array\(.* \"last\" or \"mean\""),
     (dict(nan_guard="loss", max_rollbacks=-1), "Config.max_rollbacks=-1 .* an int >= 0"),
     (dict(spike_threshold=10), "Config.spike_threshold=10 needs Config.nan_guard"),
     (dict(on_guard="rollback"), "Config.on_guard='rollback' needs Config.nan_guard"),

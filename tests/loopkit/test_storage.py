@@ -162,3 +162,18 @@ def test_a_local_file_backend_handed_a_url_says_how_to_stage_it():
         assert staged.path(7) == "memory://x/run/model.ckpt-7.npz"
     finally:
         staged.close()
+
+
+def test_size_and_mtime_of_a_tree_is_its_newest_file(tmp_path):
+    # `loopkit checkpoints` shows a checkpoint's age from this: a file written into an
+    # old directory makes the tree as young as the file
+    tree = tmp_path / "model.ckpt-5"
+    (tree / "sub").mkdir(parents=True)
+    (tree / "a").write_bytes(b"x" * 10)
+    (tree / "sub" / "b").write_bytes(b"y" * 5)
+    os.utime(tree, (1_000_000, 1_000_000))
+    os.utime(tree / "a", (2_000_000, 2_000_000))
+    os.utime(tree / "sub", (1_000_000, 1_000_000))
+    os.utime(tree / "sub" / "b", (3_000_000, 3_000_000))
+    assert storage.size_and_mtime(tree) == (15, 3_000_000)
+    assert storage.size_and_mtime(tree / "a") == (10, 2_000_000)
