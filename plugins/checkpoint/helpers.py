@@ -7,6 +7,7 @@ backs `loopkit checkpoints`. Each finds its checkpoint and backend through `loca
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import os
 import re
@@ -18,9 +19,10 @@ import jax
 import numpy as np
 
 from loopkit import storage
-from loopkit.plugins.checkpoint.locate import backends, basename_of, locate, recoverable
+from loopkit.plugins.checkpoint.locate import Backends, basename_of, locate, recoverable
+from loopkit.plugins.checkpoint.recovery import durable_best
 from loopkit.plugins.checkpoint.tf_file import checkpoint_path, read_state
-from loopkit.pytree import check_matches, conform, leaf_path, shape_dtype
+from loopkit.pytree import check_matches, conform, leaf_path, leaves_with_paths, shape_dtype
 
 __all__ = [
     "checkpoints_iterator",
@@ -73,7 +75,7 @@ def latest_checkpoint(logdir: str | os.PathLike[str], *,
     """
     logdir = storage.normalise(logdir, "logdir")
     base = basename_of(logdir, basename)
-    with backends(logdir, base) as group:
+    with contextlib.closing(Backends(logdir, base)) as group:
         return _latest(logdir, base, group)
 
 
@@ -97,10 +99,8 @@ def load_checkpoint(logdir_or_path: str | os.PathLike[str], like: PyTree = None)
     holding none of these raises `FileNotFoundError` saying what is there.
     """
     found = locate(storage.normalise(logdir_or_path, "logdir_or_path"))
-    try:
+    with contextlib.closing(found.backend):
         state, _ = found.backend.restore(found.step, place_like(like))
-    finally:
-        found.backend.close()
     if like is not None:
         state = conform(state, like)
         check_matches(state, like, f"checkpoint {found.where}")
@@ -119,36 +119,28 @@ def checkpoints_iterator(logdir: str | os.PathLike[str], min_interval_secs: floa
     """
     logdir = storage.normalise(logdir, "logdir")
     base = basename_of(logdir, None)
-    with backends(logdir, base) as group:
-        yield from _follow(logdir, base, group, min_interval_secs, timeout, poll_secs)
-
-
-def _follow(logdir: Path | str, base: str, group: Any, min_interval_secs: float,
-            timeout: float | None, poll_secs: float) -> Iterator[tuple[int, str]]:
     last: tuple[int, str] | None = None
-    while True:
-        deadline = None if timeout is None else time.monotonic() + timeout
+    with contextlib.closing(Backends(logdir, base)) as group:
         while True:
-            found = _latest(logdir, base, group)
-            if found is not None and found != last:
-                break
-            if deadline is not None and time.monotonic() + poll_secs > deadline:
-                return
-            time.sleep(poll_secs)
-        start = time.monotonic()
-        last = found
-        yield found
-        wait = start + min_interval_secs - time.monotonic()
-        if wait > 0:
-            time.sleep(wait)
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while (found := _latest(logdir, base, group)) is None or found == last:
+                if deadline is not None and time.monotonic() + poll_secs > deadline:
+                    return
+                time.sleep(poll_secs)
+            start = time.monotonic()
+            last = found
+            yield found
+            wait = start + min_interval_secs - time.monotonic()
+            if wait > 0:
+                time.sleep(wait)
 
 
 def _human_size(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
+        if n < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
-    return f"{n:.1f} TiB"  # pragma: no cover
+    return f"{n:.1f} TiB"
 
 
 def _human_age(secs: float) -> str:
@@ -189,9 +181,9 @@ def describe_checkpoints(logdir: str | os.PathLike[str], *,
     state = read_state(logdir, base)
     now = time.time()
     rows = []
-    with backends(logdir, base) as group:
+    with contextlib.closing(Backends(logdir, base)) as group:
         found = group.steps()
-        first = recoverable(logdir, found, base)
+        first = durable_best(found, state)  # the file as read above, not read again
         listed = {s for s, _ in state.listed} if state is not None else set(found)
         for step in sorted(found):
             path = _stored_at(found[step], logdir, base, step)
@@ -199,32 +191,20 @@ def describe_checkpoints(logdir: str | os.PathLike[str], *,
                 size, mtime = storage.size_and_mtime(path)
             except FileNotFoundError:  # deleted by retention while we look
                 continue
-            age = now - mtime
-            marks = []
-            if step == first:
-                marks.append("<- latest (a restart recovers this one)")
-            elif step not in listed:
-                marks.append("(unlisted)")
-            rows.append((storage.name_of(path), f"step {step}", _human_size(size), _human_age(age), marks))
+            mark = ("<- latest (a restart recovers this one)" if step == first
+                    else "(unlisted)" if step not in listed else "")
+            rows.append((storage.name_of(path), f"step {step}", _human_size(size),
+                         _human_age(now - mtime), mark))
     if not rows:
         return []
-    w0 = max(len(r[0]) for r in rows)
-    w1 = max(len(r[1]) for r in rows)
-    w2 = max(len(r[2]) for r in rows)
-    w3 = max(len(r[3]) for r in rows)
+    w0, w1, w2, w3 = (max(len(r[i]) for r in rows) for i in range(4))
     return [
-        f"{a:<{w0}}  {b:<{w1}}  {c:>{w2}}  {d:<{w3}}  {' '.join(m)}".rstrip()
+        f"{a:<{w0}}  {b:<{w1}}  {c:>{w2}}  {d:<{w3}}  {m}".rstrip()
         for a, b, c, d, m in rows
     ]
 
 
 # -- initialising from a pretrained checkpoint ------------------------------------------
-
-def _resolve(logdir_or_path: str | os.PathLike[str]) -> tuple[Any, int, str]:
-    """(backend, step, path) for a logdir (its latest checkpoint) or a checkpoint path."""
-    found = locate(storage.normalise(logdir_or_path, "logdir_or_path"))
-    return found.backend, found.step, found.where
-
 
 def _leaves_of(backend: Any, step: int) -> tuple[dict[str, Any], Callable[[list[str]], dict]]:
     """(leaf path -> shape and dtype, a reader of chosen leaves) of a checkpoint.
@@ -236,7 +216,7 @@ def _leaves_of(backend: Any, step: int) -> tuple[dict[str, Any], Callable[[list[
     if hasattr(backend, "structure") and hasattr(backend, "restore_leaves"):
         return backend.structure(step), lambda paths: backend.restore_leaves(step, paths)
     state, _ = backend.restore(step, None)
-    flat = {leaf_path(kp): x for kp, x in jax.tree_util.tree_flatten_with_path(state)[0]}
+    flat = dict(leaves_with_paths(state))
     return ({p: jax.ShapeDtypeStruct(*shape_dtype(x)) for p, x in flat.items()},
             lambda paths: {p: flat[p] for p in paths})
 
@@ -278,9 +258,9 @@ def from_pretrained(
             raise ValueError(f"from_pretrained: {name}={value!r} must be a list of patterns")
 
     def init_fn(state: PyTree) -> PyTree:
-        backend, step, where = _resolve(logdir_or_path)
-        try:
-            stored, read_leaves = _leaves_of(backend, step)
+        found = locate(storage.normalise(logdir_or_path, "logdir_or_path"))
+        with contextlib.closing(found.backend):
+            stored, read_leaves = _leaves_of(found.backend, found.step)
             chosen = [
                 p for p in stored
                 if (include is None or any(fnmatch.fnmatchcase(p, pat) for pat in include))
@@ -289,7 +269,7 @@ def from_pretrained(
             if not chosen:
                 raise ValueError(
                     f"from_pretrained: include={include!r} exclude={exclude!r} choose no leaf "
-                    f"of {where}; its leaves are: {', '.join(sorted(stored)) or 'none'}"
+                    f"of {found.where}; its leaves are: {', '.join(sorted(stored)) or 'none'}"
                 )
             keypaths, treedef = jax.tree_util.tree_flatten_with_path(state)
             fresh = {leaf_path(kp): (i, leaf) for i, (kp, leaf) in enumerate(keypaths)}
@@ -301,8 +281,7 @@ def from_pretrained(
                     problems.append(f"  {p} (in the fresh state: {q}): no such leaf")
                     continue
                 want = stored[p]
-                leaf = fresh[q][1]
-                shape, dtype = shape_dtype(leaf)
+                shape, dtype = shape_dtype(fresh[q][1])
                 if tuple(want.shape) != shape or np.dtype(want.dtype) != dtype:
                     problems.append(
                         f"  {p} (in the fresh state: {q}): checkpoint has shape "
@@ -312,11 +291,9 @@ def from_pretrained(
                 targets[q] = p
             if problems:
                 raise ValueError(
-                    f"from_pretrained({where!r}) cannot load these leaves:\n" + "\n".join(problems)
+                    f"from_pretrained({found.where!r}) cannot load these leaves:\n" + "\n".join(problems)
                 )
             values = read_leaves(chosen)
-        finally:
-            backend.close()
         leaves = [leaf for _, leaf in keypaths]
         for q, p in targets.items():
             i, leaf = fresh[q]

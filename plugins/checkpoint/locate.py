@@ -15,15 +15,15 @@ when it holds no checkpoint of its own.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from loopkit import storage
+from loopkit.plugins.checkpoint.recovery import durable_best
 from loopkit.plugins.checkpoint.tf_file import (
-    DEFAULT_BASENAME, checkpoint_path, read_backend_name, read_state, recovery_order,
+    DEFAULT_BASENAME, checkpoint_path, read_backend_name, read_state,
 )
 
 __all__ = ["Backends", "FORMATS", "Located", "locate"]
@@ -55,33 +55,22 @@ class Backends:
         self.names: list[str] = [recorded] if recorded is not None else []
         for names in pm.hook.checkpoint_backend_names():
             self.names += [n for n in names if n not in self.names]
-        self.backends: list[tuple[str, Any]] = []
-        for name in self.names:
-            backend = pm.hook.checkpoint_backend(name=name, directory=directory, config=config)
-            if backend is not None:
-                self.backends.append((name, backend))
+        built = [pm.hook.checkpoint_backend(name=name, directory=directory, config=config)
+                 for name in self.names]
+        self.backends: list[Any] = [b for b in built if b is not None]
 
     def steps(self) -> dict[int, Any]:
         """Step -> the backend that holds it, over every backend."""
         found: dict[int, Any] = {}
-        for _, backend in self.backends:
+        for backend in self.backends:
             for step in backend.steps():
                 found.setdefault(int(step), backend)
         return found
 
     def close(self, keep: Any = None) -> None:
-        for _, backend in self.backends:
+        for backend in self.backends:
             if backend is not keep:
                 backend.close()
-
-
-@contextlib.contextmanager
-def backends(directory: Path | str, basename: str) -> Iterator[Backends]:
-    found = Backends(directory, basename)
-    try:
-        yield found
-    finally:
-        found.close()
 
 
 def basename_of(logdir: Path | str, basename: str | None) -> str:
@@ -93,8 +82,7 @@ def basename_of(logdir: Path | str, basename: str | None) -> str:
 
 def recoverable(logdir: Path | str, found: dict[int, Any], basename: str) -> int | None:
     """The step a restart would try first among ``found``."""
-    state = read_state(logdir, basename)
-    return next((s for s in recovery_order(state, set(found)) if s in found), None)
+    return durable_best(found, read_state(logdir, basename))
 
 
 class Located:
@@ -110,7 +98,7 @@ def _in_logdir(directory: Path | str, basename: str, step: int | None) -> Locate
     found = group.steps()
     if step is None:
         step = recoverable(directory, found, basename)
-    backend = found.get(step) if step is not None else None
+    backend = found.get(step)  # (None for a step None)
     group.close(keep=backend)
     if backend is None:
         return None
@@ -134,10 +122,9 @@ def _manager_item(step_dir: Path) -> Path | None:
 def _foreign(target: Path) -> Located | None:
     """A read-only backend for what another library wrote at ``target``."""
     from loopkit.plugins.checkpoint.readers.orbax import OrbaxCheckpoint
+    from loopkit.plugins.checkpoint.readers.safetensors import SafetensorsCheckpoint
 
     if target.is_file() and target.name.endswith(".safetensors"):
-        from loopkit.plugins.checkpoint.readers.safetensors import SafetensorsCheckpoint
-
         return Located(SafetensorsCheckpoint([target]), 0, str(target))
     if not target.is_dir():
         return None
@@ -153,22 +140,21 @@ def _foreign(target: Path) -> Located | None:
             return Located(OrbaxCheckpoint(item, step), step, str(item))
     files = sorted(target.glob("*.safetensors"))
     if files:
-        from loopkit.plugins.checkpoint.readers.safetensors import SafetensorsCheckpoint
-
         return Located(SafetensorsCheckpoint(files, target), 0, str(target))
     return None
 
 
-def _what_is(target: Path) -> str:
-    if not target.exists():
+def _what_is(target: Path | str, url: bool) -> str:
+    if not url and not target.exists():
         return "nothing exists there"
-    if target.is_file():
+    if not url and target.is_file():
         return f"a file of {target.stat().st_size} bytes in no format loopkit reads"
-    names = sorted(os.listdir(target))
+    names = sorted(storage.list_names(target) if url else os.listdir(target))
     if not names:
-        return "an empty directory"
+        return "nothing" if url else "an empty directory"
     shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
-    return f"a directory holding {shown}, none of them a checkpoint loopkit reads"
+    holding = "" if url else "a directory holding "
+    return f"{holding}{shown}, none of them a checkpoint loopkit reads"
 
 
 def locate(target: Path | str) -> Located:
@@ -192,16 +178,8 @@ def locate(target: Path | str) -> Located:
         return found
     names = Backends(storage.parent(target), DEFAULT_BASENAME)
     names.close()
-    what = (f"{_what_is_url(target)}; under a URL loopkit reads only what its checkpoint "
-            "backends wrote" if url else _what_is(target))
+    what = _what_is(target, url) + ("; under a URL loopkit reads only what its checkpoint "
+                                    "backends wrote" if url else "")
     raise FileNotFoundError(
         f"no checkpoint at {target}: found {what}. loopkit reads "
         + FORMATS.format(backends=", ".join(names.names)))
-
-
-def _what_is_url(target: str) -> str:
-    names = sorted(storage.list_names(target))
-    if not names:
-        return "nothing"
-    shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
-    return f"{shown}, none of them a checkpoint loopkit reads"

@@ -36,7 +36,6 @@ import jax
 from loopkit import storage
 from loopkit.checkpoint import CheckpointBackend, Restored
 from loopkit.config import Config
-from loopkit.errors import CheckpointError
 from loopkit.hookspec import hookimpl
 from loopkit.pytree import abstract, check_storable, conform
 from loopkit.stash import StashKey
@@ -93,10 +92,6 @@ class CheckpointPlugin:
         """The durable tier's backend (None before the session opened it)."""
         return None if self.durable is None else self.durable.backend
 
-    @property
-    def ledger(self) -> Ledger | None:
-        return None if self.durable is None else self.durable.ledger
-
     # -- the backend -------------------------------------------------------------------
 
     @hookimpl(trylast=True)
@@ -152,8 +147,7 @@ class CheckpointPlugin:
             backend = spec
         name = spec if isinstance(spec, str) else None  # recorded for the helpers
         return Tier(kind, backend, Ledger(directory, config, name),
-                    self.config.checkpoint_basename, owns_backend=isinstance(spec, str),
-                    chief_writes=kind == "durable")
+                    owns_backend=isinstance(spec, str), chief_writes=kind == "durable")
 
     def _open(self, session: Any) -> Tier:
         """Build the session's tiers (restore_state runs first, so usually there)."""
@@ -218,10 +212,9 @@ class CheckpointPlugin:
         session.stash[RESTORED_TIER] = self.restored_from
         if found is None:
             return None
-        self._restored = (found.step, sorted(map(id, jax.tree.leaves(found.tree))))
-        log.info("loopkit: restored %s", tier.path(found.step))
-        return Restored(found.tree, found.step, found.data_position, tier.path(found.step),
-                        found.consumed, found.skipped)
+        self._restored = (found.step, sorted(map(id, jax.tree.leaves(found.state))))
+        log.info("loopkit: restored %s", found.path)
+        return found
 
     @hookimpl(trylast=True)
     def rollback_state(self, session: Any, before_step: int) -> Restored | None:
@@ -237,14 +230,13 @@ class CheckpointPlugin:
         rollback.drop_after(session, tiers, before_step,
                             f"it holds the bad step {before_step} or a later one")
         like = abstract(session.state)
-        read = rollback.read_agreed(options, like)
-        if read is None:
+        found = rollback.read_agreed(options, like)
+        if found is None:
             return None
-        found, tier = read
         rollback.drop_after(session, tiers, found.step + 1,  # an unreadable newer candidate
                             f"it holds steps after {found.step}, whose batches are skipped")
-        return Restored(conform(found.tree, like), found.step, found.data_position,
-                        tier.path(found.step), found.consumed, found.skipped)
+        found.state = conform(found.state, like)
+        return found
 
     # -- saving ------------------------------------------------------------------------
 

@@ -11,19 +11,17 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Collection, NamedTuple
+from typing import Any, Callable, Collection
 
 import jax
 import numpy as np
 
+from loopkit.checkpoint import CheckpointBackend, Restored
 from loopkit.errors import CheckpointError
 from loopkit.plugins.checkpoint.position import decode_position
 from loopkit.plugins.checkpoint.tf_file import CheckpointState, recovery_order
 
-if TYPE_CHECKING:
-    from loopkit.checkpoint import CheckpointBackend
-
-__all__ = ["Found", "any_process", "common_steps", "durable_best", "find_local", "find_restorable",
+__all__ = ["any_process", "common_steps", "durable_best", "find_local", "find_restorable",
            "read_checkpoint"]
 
 log = logging.getLogger("loopkit")
@@ -31,19 +29,9 @@ log = logging.getLogger("loopkit")
 PyTree = Any
 
 
-class Found(NamedTuple):
-    """The checkpoint recovery settled on."""
-
-    step: int
-    tree: PyTree
-    data_position: Any
-    consumed: int | None = None  # batches consumed, when rollbacks skipped some
-    skipped: tuple[tuple[int, int], ...] = ()
-
-
 def find_restorable(backend: CheckpointBackend, steps: Collection[int], logdir: Path | str,
                     state: CheckpointState | None, like: PyTree, path_of: Callable[[int], str],
-                    recovery_wait_secs: float) -> Found | None:
+                    recovery_wait_secs: float) -> Restored | None:
     """The newest readable checkpoint of the committed `steps` in `logdir`, placed like
     `like`; None when there is none."""
     if jax.process_count() > 1:
@@ -55,7 +43,7 @@ def find_restorable(backend: CheckpointBackend, steps: Collection[int], logdir: 
                         "checkpoint; trying the next older one", logdir, path_of(step))
             continue
         try:
-            return read_checkpoint(backend, step, like)
+            return read_checkpoint(backend, step, like, path_of(step))
         except Exception as ex:  # noqa: BLE001 - unreadable data marks it corrupt
             log.warning("loopkit: checkpoint %s is unreadable, skipping it (%s: %s)",
                         path_of(step), type(ex).__name__, ex)
@@ -78,7 +66,7 @@ def durable_best(steps: Collection[int], state: CheckpointState | None) -> int |
 
 
 def find_local(backend: CheckpointBackend, steps: Collection[int], state: CheckpointState | None,
-               like: PyTree, path_of: Callable[[int], str], floor: int | None) -> Found | None:
+               like: PyTree, path_of: Callable[[int], str], floor: int | None) -> Restored | None:
     """The local tier's newest readable checkpoint at or after step `floor` (the
     durable tier's best), written by as many processes as there are now; None
     when there is none, and the durable tier is tried next.
@@ -106,36 +94,34 @@ def find_local(backend: CheckpointBackend, steps: Collection[int], state: Checkp
                         "has %d; restoring from the durable tier", path_of(step), count,
                         jax.process_count())
             return None
-        return _found(step, tree, metadata)
+        return _found(step, tree, metadata, path_of(step))
     return None
 
 
-def fetch(backend: CheckpointBackend, step: int, like: Any) -> None:
-    """Download what `restore(step, like)` reads, where the backend keeps checkpoints
-    remotely (its optional `fetch`: the staged backend of URL logdirs)."""
-    get = getattr(backend, "fetch", None)
-    if get is not None:
-        get(step, like)
-
-
 def read_together(backend: CheckpointBackend, step: int, like: Any, where: str,
-                  failed: Callable[[Any], Any], before: Callable[[], None]) -> Found | None:
-    """`read_checkpoint` on every process at once, or on none: `before()` (the
-    download) first, then one agreement, so that no process starts orbax's read,
+                  failed: Callable[[Any], Any],
+                  before: Callable[[], None] = lambda: None) -> Restored | None:
+    """`read_checkpoint` on every process at once, or on none: `before()` and the
+    download first (of what `restore(step, like)` reads, where the backend keeps
+    checkpoints remotely: its optional `fetch`, the staged backend's of URL logdirs),
+    then one agreement, so that no process starts orbax's read,
     which ends at a barrier, while another has failed; None here when it failed
     anywhere (`failed((step, error))` gets this process's error). Every process
     runs exactly one collective here, whatever fails."""
-    found: Found | None = None
+    found: Restored | None = None
     ready = False
     try:
         before()
+        fetch = getattr(backend, "fetch", None)
+        if fetch is not None:
+            fetch(step, like)
         ready = True
     except Exception as ex:  # noqa: BLE001 - agreed below
         _unreadable(where, ex)
         failed((step, ex))
     if not any_process(not ready):
         try:
-            found = read_checkpoint(backend, step, like)
+            found = read_checkpoint(backend, step, like, where)
         except Exception as ex:  # noqa: BLE001 - agreed by the caller
             _unreadable(where, ex)
             failed((step, ex))
@@ -176,7 +162,7 @@ def common_steps(steps: Collection[int]) -> list[int]:
 
 
 def _agreed_local(backend: CheckpointBackend, steps: Collection[int], like: PyTree,
-                  path_of: Callable[[int], str], floor: int | None) -> Found | None:
+                  path_of: Callable[[int], str], floor: int | None) -> Restored | None:
     """Many processes: the newest step every process holds in its local tier, at or
     after the chief's `floor`, restored by every process from its own; None (the
     durable tier) when there is none, or when the local tiers were written by
@@ -193,7 +179,7 @@ def _agreed_local(backend: CheckpointBackend, steps: Collection[int], like: PyTr
             tree, metadata = backend.restore(step, like)
             count = (metadata or {}).get("process_count", 1)
             if count == jax.process_count():
-                found, code = _found(step, tree, metadata), 1
+                found, code = _found(step, tree, metadata, path_of(step)), 1
             else:
                 code = 2
                 log.warning("loopkit: local checkpoint %s was written by %s processes, "
@@ -213,21 +199,22 @@ def _agreed_local(backend: CheckpointBackend, steps: Collection[int], like: PyTr
     return None
 
 
-def read_checkpoint(backend: CheckpointBackend, step: int, like: PyTree) -> Found:
+def read_checkpoint(backend: CheckpointBackend, step: int, like: PyTree, path: str) -> Restored:
+    """The checkpoint of `step` (at `path`), read from `backend` and placed like `like`."""
     tree, metadata = backend.restore(step, like)
-    return _found(step, tree, metadata)
+    return _found(step, tree, metadata, path)
 
 
-def _found(step: int, tree: PyTree, metadata: dict | None) -> Found:
+def _found(step: int, tree: PyTree, metadata: dict | None, path: str) -> Restored:
     metadata = metadata or {}
     skipped = tuple((int(a), int(b)) for a, b in metadata.get("skipped") or ())
-    return Found(step, tree, decode_position(metadata.get("data_position")),
-                 metadata.get("consumed"), skipped)
+    return Restored(tree, step, decode_position(metadata.get("data_position")), path,
+                    metadata.get("consumed"), skipped)
 
 
 def _agreed(backend: CheckpointBackend, steps: Collection[int], logdir: Path | str,
             state: CheckpointState | None, like: PyTree, path_of: Callable[[int], str],
-            recovery_wait_secs: float) -> Found | None:
+            recovery_wait_secs: float) -> Restored | None:
     """Many processes: all restore the step the chief chose, or all start fresh.
 
     The chief (process 0) picks the candidate by the single-process rules and
@@ -247,13 +234,12 @@ def _agreed(backend: CheckpointBackend, steps: Collection[int], logdir: Path | s
         if step < 0:
             break
         tried.add(step)
-        def visible_and_fetched(step: int = step) -> None:
+        def visible(step: int = step) -> None:
             nonlocal steps
             steps = _wait_until_visible(backend, steps, step, path_of, recovery_wait_secs)
-            fetch(backend, step, like)
 
         found = read_together(backend, step, like, path_of(step), failures.append,
-                              before=visible_and_fetched)
+                              before=visible)
         if not any_process(found is None):
             return found
         log.warning("loopkit: checkpoint %s could not be restored on every process; "

@@ -16,9 +16,10 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
+from loopkit.checkpoint import Restored
 from loopkit.errors import CheckpointError
 from loopkit.plugins.checkpoint.recovery import (
-    Found, any_process, common_steps, fetch, read_together,
+    any_process, common_steps, read_together,
 )
 from loopkit.plugins.checkpoint.tier import Tier
 
@@ -68,10 +69,8 @@ def drop_after(session: Any, tiers: Sequence[Tier], first: int, why: str) -> Non
         t.last_save_step = None  # a save at the restored step writes the new position
 
 
-def read_agreed(options: Sequence[tuple[int, Tier]],
-                like: Any) -> tuple[Found, Tier] | None:
-    """The first of `options` that every process reads, and its tier; None when there
-    are no options.
+def read_agreed(options: Sequence[tuple[int, Tier]], like: Any) -> Restored | None:
+    """The first of `options` that every process reads; None when there are no options.
 
     An unreadable candidate is skipped with a warning; when none can be read,
     `CheckpointError` on every process."""
@@ -79,11 +78,9 @@ def read_agreed(options: Sequence[tuple[int, Tier]],
     many = jax.process_count() > 1
     for i, (step, tier) in enumerate(options):
         found = read_together(tier.backend, step, like, tier.path(step),
-                              lambda f: failures.append(f[1]),
-                              before=lambda: fetch(tier.backend, step, like))
+                              lambda f: failures.append(f[1]))
         if not any_process(found is None):
-            assert found is not None
-            return found, tier
+            return found
         if i + 1 < len(options):
             nxt, other = options[i + 1]
             log.warning("loopkit: cannot roll back to %s (unreadable%s); trying %s",

@@ -79,9 +79,7 @@ def checkpoint_path(directory: str | os.PathLike[str], basename: str, step: int)
 
 def split_name(name: str) -> tuple[str, int] | None:
     """``("model.ckpt", 1234)`` for ``model.ckpt-1234`` (or ``.../model.ckpt-1234.npz``)."""
-    name = os.path.basename(name.rstrip("/"))
-    if name.endswith(NPZ_EXT):
-        name = name[: -len(NPZ_EXT)]
+    name = os.path.basename(name.rstrip("/")).removesuffix(NPZ_EXT)
     m = re.match(r"^(.+)-(\d+)$", name)
     return (m.group(1), int(m.group(2))) if m else None
 
@@ -109,8 +107,7 @@ def read_state(logdir: str | os.PathLike[str], basename: str | None = None) -> C
         log.warning("loopkit: cannot read %s (%s); ignoring it", path, ex)
         return None
     fields: dict[str, list[str]] = {}
-    for line in text.splitlines():
-        m = _LINE.match(line)
+    for m in map(_LINE.match, text.splitlines()):
         if m:
             fields.setdefault(m.group(1), []).append(_unquote(m.group(2)))
 
@@ -138,25 +135,23 @@ def read_state(logdir: str | os.PathLike[str], basename: str | None = None) -> C
         bases = {b for b, _ in listed}
         base = bases.pop() if len(bases) == 1 else DEFAULT_BASENAME
     steps = [s for b, s in listed if b == base]
-    stamps: list[float | None] = [None] * len(steps)
     raw = fields.get("all_model_checkpoint_timestamps", [])
-    if len(raw) == len(steps):
-        try:
-            stamps = [float(t) for t in raw]
-        except ValueError:
-            pass
-    preserved = None
-    if fields.get("last_preserved_timestamp"):
-        try:
-            preserved = float(fields["last_preserved_timestamp"][-1])
-        except ValueError:
-            pass
+    stamps = (_floats(raw) if len(raw) == len(steps) else None) or [None] * len(steps)
+    preserved = _floats(fields.get("last_preserved_timestamp", [])[-1:])
     return CheckpointState(
         basename=base,
         latest=latest[1] if latest and latest[0] == base else None,
         listed=list(zip(steps, stamps)),
-        last_preserved_timestamp=preserved,
+        last_preserved_timestamp=preserved[0] if preserved else None,
     )
+
+
+def _floats(values: list[str]) -> list[float] | None:
+    """``values`` as numbers; None when one is not a number."""
+    try:
+        return [float(v) for v in values]
+    except ValueError:
+        return None
 
 
 def write_state(logdir: str | os.PathLike[str], state: CheckpointState) -> None:

@@ -43,7 +43,6 @@ class Commit:
                  publish: Callable[[], None], failed: Callable[[BaseException], None],
                  name: str = "checkpoint", timing: Beside | None = None) -> None:
         self.step = step
-        self.error: BaseException | None = None
         self.timing = timing
         self.done = threading.Event()
         self._args = (backend, hold, publish, failed)
@@ -64,7 +63,6 @@ class Commit:
             if self.timing is not None:
                 self.timing.committed()
         except BaseException as ex:  # noqa: BLE001 - handed to the main thread
-            self.error = ex
             failed(ex)
         finally:
             self.done.set()
@@ -123,20 +121,18 @@ class SharedHold:
         self._holders = 1
         self._lock = threading.Lock()
 
-    def acquire(self) -> bool:
-        """Hold it for one more save; False when it was released already."""
+    def acquire(self) -> None:
+        """Hold it for one more save (not once it was released already)."""
         with self._lock:
-            if self._holders == 0:
-                return False
-            self._holders += 1
-            return True
+            if self._holders:
+                self._holders += 1
 
     def release(self) -> None:
         with self._lock:
             self._holders -= 1
-            staged = self._staged if self._holders == 0 else None
-            if staged is not None:
-                self._staged = None
+            if self._holders != 0:
+                return
+            staged, self._staged = self._staged, None
         if staged is not None:
             staged.release()
 
@@ -149,11 +145,10 @@ class Tier:
     process in its own (the local tier).
     """
 
-    def __init__(self, kind: str, backend: CheckpointBackend, ledger: Ledger, basename: str,
+    def __init__(self, kind: str, backend: CheckpointBackend, ledger: Ledger,
                  owns_backend: bool, chief_writes: bool) -> None:
         self.kind = kind
         self.backend, self.ledger = backend, ledger
-        self.basename = basename
         self.owns_backend = owns_backend
         self.chief_writes = chief_writes
         #: the `checkpoint` file as it was at the start
@@ -164,7 +159,7 @@ class Tier:
         self.last_save_step: int | None = None
 
     def path(self, step: int) -> str:
-        return checkpoint_path(self.ledger.logdir, self.basename, step)
+        return checkpoint_path(self.ledger.logdir, self.ledger.basename, step)
 
     def writes(self, session: Any) -> bool:
         return session.is_chief or not self.chief_writes

@@ -57,10 +57,11 @@ _VERSION = 1
 _READERS = min(4, os.cpu_count() or 1)  # threads reading members at once (more than cores: slower)
 
 from loopkit.plugins.checkpoint.backends.placement import (  # noqa: E402
-    aligned_empty, layouts_hold, like_leaves, placement, put_into,
+    aligned_empty, layouts_hold, like_leaves, put_like,
 )
 from loopkit.plugins.checkpoint.backends.records import (  # noqa: E402
-    LeafRecord, dtype_from_name, finish, host_value, leaf_records, nest, read_records,
+    LeafRecord, chosen, dtype_from_name, finish, head_json, host_value, leaf_records, nest,
+    read_records, reading,
 )
 from loopkit.plugins.checkpoint.backends.staged import refuse_url  # noqa: E402
 from loopkit.plugins.checkpoint.backends.temporaries import remove_stale, saving_lock  # noqa: E402
@@ -114,11 +115,8 @@ class NpzBackend:
                 # (not ascontiguousarray: it turns 0-d arrays into 1-d ones)
                 arr = (arr if arr.flags.c_contiguous else arr.copy()).view(f"V{arr.dtype.itemsize}")
             members.append((rec.member, arr))
-        try:
-            head = json.dumps({"format": _FORMAT, "version": _VERSION, "step": step,
-                               "metadata": metadata, "leaves": [r.to_json() for r in records]})
-        except (TypeError, ValueError) as e:
-            raise TypeError(f"checkpoint metadata must be JSON-able: {e}") from None
+        head = head_json({"format": _FORMAT, "version": _VERSION, "step": step,
+                          "metadata": metadata, "leaves": [r.to_json() for r in records]})
         blob = np.frombuffer(head.encode("utf-8"), dtype=np.uint8)
 
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -172,20 +170,16 @@ class NpzBackend:
         path = self.path(step)
         if not path.exists():
             raise FileNotFoundError(f"no npz checkpoint for step {step}: {path}")
-        try:
+        with reading(f"checkpoint {path}"):
             reader = _Reader(path)
-        except Exception as e:
-            raise CheckpointError(f"checkpoint {path} cannot be read: {e}") from e
         with reader:
-            try:
+            with reading(f"checkpoint {path}"):
                 head = json.loads(reader.array(_META_MEMBER).tobytes().decode("utf-8"))
                 if not (isinstance(head, dict) and head.get("format") == _FORMAT):
                     raise ValueError(f"not a {_FORMAT} file")
                 if head.get("version") != _VERSION:
                     raise ValueError(f"format version {head.get('version')!r}, "
                                      f"this loopkit reads {_VERSION}")
-            except Exception as e:
-                raise CheckpointError(f"checkpoint {path} cannot be read: {e}") from e
             yield reader, head, read_records(head.get("leaves"), str(path))
 
     def _read(self, reader: _Reader, rec: LeafRecord, where: Path) -> np.ndarray | None:
@@ -223,17 +217,9 @@ class NpzBackend:
             arrays = [parts[i % tasks][i // tasks] for i in range(len(records))]
             values = [host_value(rec, arr) for rec, arr in zip(records, arrays)]
         # placed in one batch: a device_put per leaf costs more than reading it
-        placed, shardings = [], []
         hold = layouts_hold(want, records, str(self.path(step)))
-        for i, (rec, value) in enumerate(zip(records, values)):
-            if rec.has_array:
-                as_jax, sharding = placement(want.get(rec.name), np.shape(value),
-                                             np.asarray(value).dtype,
-                                             rec.layout if hold else None)
-                if as_jax:
-                    placed.append(i)
-                    shardings.append(sharding)
-        put_into(values, placed, shardings)
+        put_like(values, [(i, want.get(rec.name), rec.layout if hold else None)
+                          for i, rec in enumerate(records) if rec.has_array])
         values = [finish(rec, value) for rec, value in zip(records, values)]
         state = nest([r.path for r in records], values)
         return (state if like is None else conform(state, like)), head.get("metadata") or {}
@@ -245,17 +231,10 @@ class NpzBackend:
 
     def restore_leaves(self, step: int, paths: Sequence[str]) -> dict[str, Any]:
         """Read only the leaves at ``paths`` (leaf paths as `structure` names them)."""
-        wanted = set(paths)
+        where = self.path(step)
         with self._open(step) as (reader, _, records):
-            out = {}
-            for rec in records:
-                if rec.name in wanted and rec.kind != "none":
-                    out[rec.name] = finish(rec, host_value(rec, self._read(reader, rec,
-                                                                          self.path(step))))
-        missing = wanted - out.keys()
-        if missing:
-            raise KeyError(f"checkpoint {self.path(step)} has no leaves {sorted(missing)}")
-        return out
+            return {rec.name: finish(rec, host_value(rec, self._read(reader, rec, where)))
+                    for rec in chosen(records, paths, where)}
 
 
 class _Reader:

@@ -55,28 +55,26 @@ guarantee gets a failed save (jax raises for a deleted array), not a corrupt one
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import shutil
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 
+from loopkit import storage
 from loopkit.errors import CheckpointError
 from loopkit.fs import fsync_dir, fsync_tree
 from loopkit.plugins.checkpoint.backends.orbax_layout import (
     HEAD_KEY as _KEY, VERSION as _VERSION, Head, objects_needed, sequence_nodes,
 )
-from loopkit.plugins.checkpoint.backends.orbax_read import (
-    read_head, restore_some, restore_tree, structure_of,
-)
+from loopkit.plugins.checkpoint.backends.orbax_read import ReadsOrbax, read_head
 from loopkit.plugins.checkpoint.backends.orbax_write import Saver
-from loopkit.plugins.checkpoint.backends.records import leaf_records
-from loopkit.plugins.checkpoint.backends.staged import refuse_url
+from loopkit.plugins.checkpoint.backends.records import head_json, leaf_records
+from loopkit.plugins.checkpoint.backends.staged import barrier, refuse_url
 from loopkit.plugins.checkpoint.backends.temporaries import remove_stale, saving_lock
 
 if TYPE_CHECKING:
@@ -90,7 +88,7 @@ _TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's, see atomicity_types.TMP_DIR_SU
 _STAGING = ".loopkit-staging"
 
 
-class OrbaxBackend:
+class OrbaxBackend(ReadsOrbax):
     """Stores each step's state as the orbax checkpoint ``<basename>-<step>/`` in ``directory``.
 
     Asynchronous: `save` hands the write to a background thread and returns;
@@ -242,10 +240,7 @@ class OrbaxBackend:
                          "zarr3": self._zarr3,
                          "leaves": [r.to_json() for r in records],
                          "sequences": sequence_nodes(tree)}}
-        try:
-            json.dumps(custom)
-        except (TypeError, ValueError) as e:
-            raise TypeError(f"checkpoint metadata must be JSON-able: {e}") from None
+        head_json(custom)  # refused now, in the caller's thread
         return tree, custom
 
     def _write(self, final: Path, tree: Any, custom: dict) -> None:
@@ -261,13 +256,10 @@ class OrbaxBackend:
             with saving_lock(self.directory):
                 trash = final.with_name(f".{final.name}.replaced")
                 if (self._primary or self.own_files) and final.exists():
-                    # Replacing a step: move the old one aside (atomically: a reader
-                    # never meets a half-removed tree); orbax refuses to write over a
-                    # directory. Other processes look only after orbax's start barrier.
+                    # Replacing a step: move the old one aside; orbax refuses to write over
+                    # a directory. Other processes look only after orbax's start barrier.
                     # Removed once the new one is committed.
-                    shutil.rmtree(trash, ignore_errors=True)
-                    os.rename(final, trash)
-                    fsync_dir(self.directory)
+                    self._move_aside(final)
                 # What this process holds whole is handed to orbax as numpy (on CPU a
                 # view, elsewhere the host copy orbax would make): orbax writes a jax
                 # array's sharding to a metadata file one array at a time, most of the
@@ -297,14 +289,8 @@ class OrbaxBackend:
                     fsync_dir(self.directory)
                     shutil.rmtree(trash, ignore_errors=True)
                 self._saves += 1
-                if len(self._processes) > 1:  # no process goes on before it is published
-                    import orbax.checkpoint as ocp
-
-                    ocp.multihost.sync_global_processes(
-                        f"loopkit-published-{final.name}-{self._saves}",
-                        processes=self._processes,
-                        barrier_sync_fn=ocp.multihost.get_barrier_sync_fn(
-                            processes=self._processes))
+                # no process goes on before it is published
+                barrier(f"loopkit-published-{final.name}-{self._saves}", self._processes)
         except BaseException as e:  # re-raised by wait(), in the caller's thread
             self._error = e
 
@@ -331,12 +317,8 @@ class OrbaxBackend:
 
     def steps(self) -> list[int]:
         """The committed steps, ascending (a save in flight is listed after `wait`)."""
-        try:
-            entries = list(os.scandir(self.directory))
-        except FileNotFoundError:
-            return []
-        found = {int(m.group(1)) for e in entries
-                 if (m := self._name.fullmatch(e.name)) and e.is_dir(follow_symlinks=False)}
+        found = {int(m.group(1)) for name, is_dir in storage.list_names(self.directory).items()
+                 if is_dir and (m := self._name.fullmatch(name))}
         thread = self._thread
         if thread is not None and (thread.is_alive() or self._error is not None):
             found.discard(self._pending)  # maybe renamed, but not known to be durable yet
@@ -347,15 +329,18 @@ class OrbaxBackend:
         if self._pending == step:
             self.wait()
         path = self.path(step)
-        if not path.exists():
-            return
-        # Rename first: a half-removed tree must never look like a checkpoint.
+        if path.exists():
+            shutil.rmtree(self._move_aside(path), ignore_errors=True)
+
+    def _move_aside(self, path: Path) -> Path:
+        """Rename ``path`` to a name never listed (atomically: a reader never meets a
+        half-removed tree), to be removed after; the new name."""
         trash = path.with_name(f".{path.name}.replaced")
         shutil.rmtree(trash, ignore_errors=True)
         with contextlib.suppress(FileNotFoundError):
             os.rename(path, trash)
             fsync_dir(self.directory)
-        shutil.rmtree(trash, ignore_errors=True)
+        return trash
 
     # -- reading --
 
@@ -370,18 +355,10 @@ class OrbaxBackend:
         """The state of ``step`` as stored (placed like ``like`` where shapes match), and its metadata."""
         if self._pending == step:
             self.wait()
-        return restore_tree(self._reader, self.path(step), self._head(step), like)
+        return super().restore(step, like)
 
     def objects_needed(self, names: list[str], read_json: Any, like: Any) -> list[str] | None:
         """Of a checkpoint's files (``names``, relative), those a restore into ``like`` on
         this process reads; None for all (`StagedBackend` downloads only those): a leaf
         sharded over several processes needs only its addressable shards' chunks."""
         return objects_needed(names, read_json, like)
-
-    def structure(self, step: int) -> dict[str, Any]:
-        """Leaf path -> shape and dtype of every leaf of ``step``, without reading array data."""
-        return structure_of(self._head(step))
-
-    def restore_leaves(self, step: int, paths: Sequence[str]) -> dict[str, Any]:
-        """Read only the leaves at ``paths`` (orbax partial restore)."""
-        return restore_some(self._reader, self.path(step), self._head(step), paths)

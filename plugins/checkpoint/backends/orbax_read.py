@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -28,14 +28,14 @@ from loopkit.plugins.checkpoint.backends.orbax_layout import (
     HEAD_KEY, READS, Head, is_orbax_tree, split_kvstore,
 )
 from loopkit.plugins.checkpoint.backends.placement import (
-    aligned_empty, layouts_hold, like_leaves, placement, put_all, put_into,
+    aligned_empty, layouts_hold, like_leaves, placement, put_into, put_like,
 )
 from loopkit.plugins.checkpoint.backends.records import (
-    LeafRecord, dtype_name, finish, host_value, nest, read_records,
+    LeafRecord, chosen, dtype_name, finish, host_value, nest, read_records, reading,
 )
 
-__all__ = ["read_arrays", "read_direct", "read_head", "restore_some", "restore_tree", "stored_arrays",
-           "structure_of"]
+__all__ = ["ReadsOrbax", "read_arrays", "read_direct", "read_head", "restore_tree",
+           "stored_arrays"]
 
 
 def read_head(path: Path) -> Head:
@@ -44,7 +44,7 @@ def read_head(path: Path) -> Head:
 
     if not path.is_dir():
         raise FileNotFoundError(f"no orbax checkpoint at {path}")
-    try:
+    with reading(f"checkpoint {path}"):
         custom = None
         if (path / "_CHECKPOINT_METADATA").exists():
             custom = ocp.metadata.get_step_metadata(path).custom_metadata
@@ -62,10 +62,6 @@ def read_head(path: Path) -> Head:
                 raise ValueError("malformed list of sequence nodes")
             sequences[tuple(s["path"])] = s["length"]
         step = head.get("step")
-    except CheckpointError:
-        raise
-    except Exception as e:
-        raise CheckpointError(f"checkpoint {path} cannot be read: {e}") from e
     records = read_records(head.get("leaves"), str(path))
     zarr3 = head.get("zarr3")
     return Head(records, sequences, head.get("metadata") or {},
@@ -82,24 +78,29 @@ def _foreign_head(path: Path) -> Head:
         tree = reader.metadata(path).item_metadata.tree
     records: list[LeafRecord] = []
     sequences: dict[tuple[str, ...], int] = {}
-
-    def walk(node: Any, prefix: list[str]) -> None:
-        if isinstance(node, dict):
-            for key, child in node.items():
-                walk(child, prefix + [str(key)])
-        elif isinstance(node, (list, tuple)):
-            sequences[tuple(prefix)] = len(node)
-            for i, child in enumerate(node):
-                walk(child, prefix + [str(i)])
-        elif node is None:
-            records.append(LeafRecord(tuple(prefix), "none"))
+    for path, node in _metadata_leaves(tree, sequences):
+        if node is None:
+            records.append(LeafRecord(path, "none"))
         elif isinstance(node, (ocp.metadata.ArrayMetadata, ocp.metadata.ScalarMetadata)):
-            records.append(LeafRecord(tuple(prefix), "array", dtype_name(node.dtype),
-                                      tuple(node.shape)))
+            records.append(LeafRecord(path, "array", dtype_name(node.dtype), tuple(node.shape)))
         # strings (StringMetadata) are not array data: left out
-
-    walk(tree, [])
     return Head(records, sequences, {})
+
+
+def _metadata_leaves(node: Any, sequences: dict[tuple[str, ...], int] | None = None,
+                     prefix: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:
+    """(path, leaf) of each leaf of orbax's tree metadata ``node``; the length of each
+    sequence node goes to ``sequences``."""
+    if isinstance(node, dict):
+        for key, child in node.items():
+            yield from _metadata_leaves(child, sequences, prefix + (str(key),))
+    elif isinstance(node, (list, tuple)):
+        if sequences is not None:
+            sequences[prefix] = len(node)
+        for i, child in enumerate(node):
+            yield from _metadata_leaves(child, sequences, prefix + (str(i),))
+    else:
+        yield prefix, node
 
 
 def _target(head: Head, args: dict[str, Any]) -> Any:
@@ -184,20 +185,7 @@ def stored_arrays(path: Path) -> tuple[set[tuple[str, ...]], bool] | None:
         tree, use_zarr3 = meta.tree, bool(meta.use_zarr3)
     except Exception:  # noqa: BLE001 - orbax's restore reads it, and raises its own error
         return None
-    found: set[tuple[str, ...]] = set()
-
-    def walk(node: Any, prefix: tuple[str, ...]) -> None:
-        if isinstance(node, dict):
-            for key, child in node.items():
-                walk(child, prefix + (str(key),))
-        elif isinstance(node, (list, tuple)):
-            for i, child in enumerate(node):
-                walk(child, prefix + (str(i),))
-        elif isinstance(node, stored_type):
-            found.add(prefix)
-
-    walk(tree, ())
-    return found, use_zarr3
+    return {p for p, node in _metadata_leaves(tree) if isinstance(node, stored_type)}, use_zarr3
 
 
 def read_direct(path: Path, wanted: dict[str, tuple[str, ...]],
@@ -239,7 +227,7 @@ def read_direct(path: Path, wanted: dict[str, tuple[str, ...]],
     split = split_kvstore(spec, _NAME)
     if split is None:
         return {}  # a spec not seen here: orbax reads it
-    try:
+    with reading(f"checkpoint {path}"):
         store = ts.KvStore.open(split[1], context=context).result()
         base = ts.Spec(split[0])
         opening = [ts.open(base, kvstore=store / (".".join(wanted[n]) + "/"), context=context,
@@ -254,8 +242,6 @@ def read_direct(path: Path, wanted: dict[str, tuple[str, ...]],
             # leaves restored 7-10% faster, in wall and CPU time)
             target = ts.array(out, copy=False, write=True)
             reads.append((out, target.write(array), target))
-    except Exception as e:
-        raise CheckpointError(f"checkpoint {path} cannot be read: {e}") from e
     values: dict[str, Any] = {}
     start = size = 0  # the batch read since `start`, and its bytes
     for i, (out, read, _) in enumerate(reads):
@@ -321,34 +307,24 @@ def read_arrays(reader: Any, path: Path, head: Head, records: Sequence[LeafRecor
     if rest:
         # A partial restore with the stored structure as target: exact for what it
         # names, and it skips the empty nodes (EmptyState, {}) a full restore needs.
-        target = _target(head, {n: a for n, a in args.items() if n not in values})
-        try:
+        with reading(f"checkpoint {path}"):  # (a tampered head fails in `_target`)
+            target = _target(head, {n: a for n, a in args.items() if n not in values})
             tree = reader.restore(path, args=ocp.args.PyTreeRestore(
                 item=target, restore_args=target, partial_restore=True))
-        except Exception as e:
-            raise CheckpointError(f"checkpoint {path} cannot be read: {e}") from e
         values.update({"/".join(p): _lookup(tree, p) for p in rest})
     names = [n for n in puts if n not in placed]  # read by orbax
-    if names:
-        values.update(zip(names, put_all([values[n] for n in names], [puts[n] for n in names])))
-    out = []
-    empties, shardings = [], []
+    values.update(zip(names, place(names, [values[n] for n in names])))
+    out: list[Any] = []
+    empties = []
     for rec, name in zip(records, stored_as):
-        if not rec.has_array:
-            out.append(host_value(rec, None))
-        elif name is None:  # empty, not in orbax: made here, placed like the others
+        value = None if name is None else values[name]
+        # an empty array is not in orbax: made here, placed like the others
+        if rec.has_array and name is None:
             struct = rec.struct()
-            empty = np.zeros(struct.shape, struct.dtype)
-            as_jax, sharding = placement(like.get(rec.name), struct.shape, struct.dtype,
-                                         rec.layout if hold else None)
-            if as_jax:
-                empties.append(len(out))
-                shardings.append(sharding)
-            out.append(host_value(rec, empty))
-        else:
-            value = values[name]
-            out.append(value[()] if rec.kind == "npscalar" else value)
-    put_into(out, empties, shardings)
+            empties.append((len(out), like.get(rec.name), rec.layout if hold else None))
+            value = np.zeros(struct.shape, struct.dtype)
+        out.append(host_value(rec, value))
+    put_like(out, empties)
     return [finish(rec, value) for rec, value in zip(records, out)]
 
 
@@ -361,17 +337,23 @@ def restore_tree(reader: Any, path: Path, head: Head, like: Any) -> tuple[Any, d
     return (state if like is None else conform(state, like)), head.metadata
 
 
-def structure_of(head: Head) -> dict[str, Any]:
-    """Leaf path -> shape and dtype of every stored leaf, without reading array data."""
-    return {r.name: s for r in head.records if (s := r.struct()) is not None}
+class ReadsOrbax:
+    """The reads of the backend protocol, for a backend of orbax PyTree checkpoints with
+    an orbax `Checkpointer` `_reader`, `path(step)` and `_head(step)` (its `Head`)."""
 
+    _reader: Any
 
-def restore_some(reader: Any, path: Path, head: Head, paths: Sequence[str]) -> dict[str, Any]:
-    """Only the leaves at `paths` (orbax partial restore); a missing one is a KeyError."""
-    wanted = set(paths)
-    chosen = [r for r in head.records if r.name in wanted and r.kind != "none"]
-    missing = wanted - {r.name for r in chosen}
-    if missing:
-        raise KeyError(f"checkpoint {path} has no leaves {sorted(missing)}")
-    values = read_arrays(reader, path, head, chosen, {})
-    return {r.name: v for r, v in zip(chosen, values)}
+    def restore(self, step: int, like: Any = None) -> tuple[Any, dict]:
+        """The state of ``step`` as stored (placed like ``like`` where shapes match), and its metadata."""
+        return restore_tree(self._reader, self.path(step), self._head(step), like)
+
+    def structure(self, step: int) -> dict[str, Any]:
+        """Leaf path -> shape and dtype of every leaf of ``step``, without reading array data."""
+        return {r.name: s for r in self._head(step).records if (s := r.struct()) is not None}
+
+    def restore_leaves(self, step: int, paths: Sequence[str]) -> dict[str, Any]:
+        """Read only the leaves at ``paths`` (orbax partial restore); a missing one is a KeyError."""
+        path, head = self.path(step), self._head(step)
+        records = chosen(head.records, paths, path)
+        values = read_arrays(self._reader, path, head, records, {})
+        return {r.name: v for r, v in zip(records, values)}

@@ -75,12 +75,8 @@ class Saver:
         registry = th.create_type_handler_registry(
             *handlers.items(),
             (np.ndarray, _numpy_handler_class()(self._writes, every_process=primary is None)))
-        handler_class, self._args = _pytree_handler_class()
+        handler_class, self.args = _pytree_handler_class()
         self.handler = handler_class(self._writes, type_handler_registry=registry, **options)
-
-    def args(self, tree: Any) -> Any:
-        """The save arguments to give the `Checkpointer` of ``handler`` for ``tree``."""
-        return self._args(tree)
 
     def abandon(self) -> None:
         """Wait for the writes of a failed save; their errors are dropped (the save failed)."""

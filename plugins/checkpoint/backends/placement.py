@@ -10,23 +10,20 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import jax
 import numpy as np
 
 from loopkit.init_trace import Guessed
-from loopkit.pytree import is_key, leaf_path
+from loopkit.pytree import is_key, leaves_with_paths
 
 log = logging.getLogger("loopkit")
 
 
 def like_leaves(like: Any) -> dict[str, Any]:
     """``like``'s leaves by leaf path (empty for None)."""
-    if like is None:
-        return {}
-    flat, _ = jax.tree_util.tree_flatten_with_path(like)
-    return {leaf_path(kp): leaf for kp, leaf in flat}
+    return dict(leaves_with_paths(like))
 
 
 def placement(like_leaf: Any, shape: tuple[int, ...], dtype: np.dtype,
@@ -189,6 +186,19 @@ def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     buf = np.empty(size + 64, np.uint8)
     start = -buf.__array_interface__["data"][0] % 64
     return np.ndarray(shape, dtype, buf, start)
+
+
+def put_like(values: list[Any], likes: Iterable[tuple[int, Any, Any]]) -> None:
+    """Place each ``values[i]`` named in ``likes`` (``(i, like's leaf, saved layout)``) as
+    `placement` says, all in one batch (`put_into`); the others stay as they are."""
+    at, shardings = [], []
+    for i, like_leaf, layout in likes:
+        value = values[i]
+        as_jax, sharding = placement(like_leaf, np.shape(value), np.asarray(value).dtype, layout)
+        if as_jax:
+            at.append(i)
+            shardings.append(sharding)
+    put_into(values, at, shardings)
 
 
 def put_into(values: list[Any], at: Sequence[int], shardings: Sequence[Any]) -> None:

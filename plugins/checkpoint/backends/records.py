@@ -2,16 +2,19 @@
 
 Shared by the `npz` and `orbax` backends (and usable by a plugin's): one `LeafRecord`
 per leaf (its path, kind, dtype name and shape; Python scalars and strings inline),
-JSON only at the file boundary (`LeafRecord.to_json`, `read_records`); nesting stored
-leaves back into dicts (`nest`) and giving a restored leaf back its typed key or weak
-type (`finish`). Placing restored leaves is `placement`; the lock and clean-up of
+JSON only at the file boundary (`LeafRecord.to_json`, `read_records`, `head_json`);
+the records a partial restore reads (`chosen`), read errors as `CheckpointError`
+(`reading`); nesting stored leaves back into dicts (`nest`) and giving a restored leaf
+back its typed key or weak type (`finish`). Placing restored leaves is `placement`; the lock and clean-up of
 temporaries in a checkpoint directory, `temporaries`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Any, NamedTuple, Sequence
+import json
+from typing import Any, Iterator, NamedTuple, Sequence
 
 import jax
 import ml_dtypes
@@ -189,6 +192,23 @@ def leaf_records(state: Any) -> tuple[list[LeafRecord], list[Any]]:
     return records, leaves
 
 
+def head_json(head: dict) -> str:
+    """A checkpoint's head as JSON; `TypeError` when the caller's metadata is not JSON-able."""
+    try:
+        return json.dumps(head)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"checkpoint metadata must be JSON-able: {e}") from None
+
+
+@contextlib.contextmanager
+def reading(what: str) -> Iterator[None]:
+    """Raise what fails inside as `CheckpointError`: ``<what> cannot be read: <error>``."""
+    try:
+        yield
+    except Exception as e:
+        raise CheckpointError(f"{what} cannot be read: {e}") from e
+
+
 def read_records(obj: Any, where: str) -> list[LeafRecord]:
     """The leaf records ``obj`` (JSON read from ``where``) describes; CheckpointError if malformed."""
     if not isinstance(obj, list):
@@ -197,6 +217,16 @@ def read_records(obj: Any, where: str) -> list[LeafRecord]:
         return [LeafRecord.from_json(r) for r in obj]
     except ValueError as e:
         raise CheckpointError(f"checkpoint {where} has a malformed leaf index: {e}") from None
+
+
+def chosen(records: Sequence[LeafRecord], paths: Sequence[str], where: Any) -> list[LeafRecord]:
+    """The records of the leaves at ``paths`` (not None leaves); a missing one is a KeyError."""
+    wanted = set(paths)
+    found = [r for r in records if r.name in wanted and r.kind != "none"]
+    missing = wanted - {r.name for r in found}
+    if missing:
+        raise KeyError(f"checkpoint {where} has no leaves {sorted(missing)}")
+    return found
 
 
 def nest(paths: Sequence[Sequence[str]], values: Sequence[Any]) -> Any:
@@ -215,10 +245,8 @@ def nest(paths: Sequence[Sequence[str]], values: Sequence[Any]) -> Any:
 
 def host_value(rec: LeafRecord, arr: np.ndarray | None) -> Any:
     """A record's leaf as stored, on the host."""
-    if rec.kind == "none":
-        return None
-    if rec.kind == "py":
-        return rec.value
+    if rec.kind in ("none", "py"):
+        return rec.value  # (None for a None leaf)
     return arr[()] if rec.kind == "npscalar" else arr
 
 

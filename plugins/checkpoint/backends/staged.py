@@ -42,12 +42,12 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from loopkit import storage
 from loopkit.errors import CheckpointError
 
-__all__ = ["MARKER", "PART", "StagedBackend", "local_or_staged", "refuse_url"]
+__all__ = ["MARKER", "PART", "StagedBackend", "barrier", "local_or_staged", "refuse_url"]
 
 log = logging.getLogger("loopkit")
 
@@ -88,6 +88,25 @@ def refuse_url(directory: Any, who: str) -> None:
             f"{who} writes local files and was given the URL {directory!r}: build it through "
             "loopkit.plugins.checkpoint.backends.staged.local_or_staged(directory, basename, "
             "make), which stages it locally and uploads (docs/storage.md)")
+
+
+def barrier(name: str, processes: set[int], timeout: int | None = None) -> None:
+    """Wait until every one of ``processes`` reaches ``name`` (none with one process).
+
+    Through the jax.distributed client, not orbax's default device collectives: the
+    backends' barriers run in their save or commit thread, where a device collective
+    would interleave with the training step's own, in a different order on each
+    process. A process whose upload failed arrives all the same; one that died never
+    does: the others raise when the barrier times out (``timeout`` seconds; None:
+    orbax's default), unless jax.distributed's failure detection ends them first.
+    """
+    if len(processes) < 2:
+        return
+    import orbax.checkpoint as ocp
+
+    ocp.multihost.sync_global_processes(
+        name, timeout=timeout, processes=processes,
+        barrier_sync_fn=ocp.multihost.get_barrier_sync_fn(processes=processes))
 
 
 def _remove_dead_stages() -> None:
@@ -184,25 +203,23 @@ class StagedBackend:
         src, dst = Path(self.local.path(step)), self.path(step)
         fs, base = storage.filesystem(dst)
         self._uploads += 1
-        phase = f"{self.basename}-{step}-{self._uploads}"
+        phase = f"loopkit-upload-{self.basename}-{step}-{self._uploads}"
         many = len(self._processes) > 1
         error: BaseException | None = failed
         directory = src.is_dir()
         try:
-            if error is not None:
-                pass  # nothing of this process's to upload
-            elif directory:
+            if error is None and directory:  # (else nothing of this process's to upload)
                 # a commit file the local backend wrote (orbax's, with `own_files`) is not
                 # uploaded: the marker goes up last, once every process's part is there
                 (src / MARKER).unlink(missing_ok=True)
-            if error is None and self._chief and directory:
-                if not self._cleaned:  # only a writer cleans: a reader may watch a save
-                    self._remove_partial()
-                    self._cleaned = True
-                storage.remove(dst)  # a partial upload of this step, or the one it replaces
+                if self._chief:
+                    if not self._cleaned:  # only a writer cleans: a reader may watch a save
+                        self._remove_partial()
+                        self._cleaned = True
+                    storage.remove(dst)  # a partial upload of this step, or the one it replaces
         except Exception as e:  # noqa: BLE001 - raised below, after the barriers
             error = e
-        self._barrier(f"{phase}-cleared")
+        barrier(f"{phase}-cleared", self._processes, BARRIER_SECS)
         if error is None:
             try:
                 if directory:
@@ -213,7 +230,8 @@ class StagedBackend:
                     fs.put_file(str(src), base)
             except Exception as e:  # noqa: BLE001 - raised below, after the barriers
                 error = e
-        self._barrier(f"{phase}-written")  # every process's upload has ended
+        # every process's upload has ended
+        barrier(f"{phase}-written", self._processes, BARRIER_SECS)
         if error is None and self._chief and directory:
             try:
                 if many:
@@ -229,7 +247,8 @@ class StagedBackend:
                 fs.pipe_file(f"{base}/{MARKER}", b"")  # last: commits the upload
             except Exception as e:  # noqa: BLE001 - raised below, after the barrier
                 error = e
-        self._barrier(f"{phase}-committed")  # no process goes on before it is decided
+        # no process goes on before it is decided
+        barrier(f"{phase}-committed", self._processes, BARRIER_SECS)
         fs.invalidate_cache(base)
         if error is None and many and not self._chief:
             try:  # whether the chief committed it (it did not if a part failed)
@@ -241,32 +260,13 @@ class StagedBackend:
         if error is not None:
             raise CheckpointError(f"uploading checkpoint {dst} failed: {error}") from error
 
-    def _barrier(self, name: str) -> None:
-        """Wait until every process reaches ``name`` (none with one process).
-
-        Through the jax.distributed client, as the orbax backend's barriers: uploads run
-        in the commit thread, where a device collective would interleave with the
-        training step's own. A process whose upload failed arrives all the same; one
-        that died never does: the others raise when the barrier times out, unless
-        jax.distributed's failure detection ends them first.
-        """
-        if len(self._processes) < 2:
-            return
-        import orbax.checkpoint as ocp
-
-        ocp.multihost.sync_global_processes(
-            f"loopkit-upload-{name}", timeout=BARRIER_SECS, processes=self._processes,
-            barrier_sync_fn=ocp.multihost.get_barrier_sync_fn(processes=self._processes))
-
     def _remove_partial(self) -> None:
         """Remove directory checkpoints whose upload never finished (no marker)."""
-        for name, is_dir in storage.list_names(self.url).items():
-            if is_dir and self._name.fullmatch(name):
-                url = str(storage.join(self.url, name))
-                if not storage.exists(str(storage.join(url, MARKER))):
-                    log.warning("loopkit: removing %s, a checkpoint whose upload never "
-                                "finished", url)
-                    storage.remove(url)
+        for _, url, committed in self._on_store():
+            if not committed:
+                log.warning("loopkit: removing %s, a checkpoint whose upload never "
+                            "finished", url)
+                storage.remove(url)
 
     def _discard_local(self, step: int) -> None:
         storage.remove(Path(self.local.path(step)))
@@ -276,15 +276,18 @@ class StagedBackend:
 
     def steps(self) -> list[int]:
         """The committed steps under the URL, ascending."""
-        found = []
+        return sorted(step for step, _, committed in self._on_store()
+                      if committed and step != self._pending)
+
+    def _on_store(self) -> Iterator[tuple[int, str, bool]]:
+        """(step, URL, committed) of each checkpoint under the URL: a directory is
+        committed once its marker is there (else an upload in progress, or one a crash
+        cut short), a file once it is there."""
         for name, is_dir in storage.list_names(self.url).items():
-            m = self._name.fullmatch(name)
-            if m is None or int(m.group(1)) == self._pending:
-                continue
-            if is_dir and not storage.exists(str(storage.join(self.url, name, MARKER))):
-                continue  # an upload in progress, or one a crash cut short
-            found.append(int(m.group(1)))
-        return sorted(found)
+            if (m := self._name.fullmatch(name)) is not None:
+                url = str(storage.join(self.url, name))
+                committed = not is_dir or storage.exists(str(storage.join(url, MARKER)))
+                yield int(m.group(1)), url, committed
 
     def delete(self, step: int) -> None:
         """Remove the checkpoint of ``step``: its marker first, so it is never half-listed."""

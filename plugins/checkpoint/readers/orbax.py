@@ -8,18 +8,15 @@ What `load_checkpoint` and `from_pretrained` use for a `StandardCheckpointer` or
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Sequence
 
 from loopkit.plugins.checkpoint.backends.orbax_layout import Head, is_orbax_tree
-from loopkit.plugins.checkpoint.backends.orbax_read import (
-    read_head, restore_some, restore_tree, structure_of,
-)
+from loopkit.plugins.checkpoint.backends.orbax_read import ReadsOrbax, read_head
 from loopkit.plugins.checkpoint.readers.read_only import ReadOnly
 
 __all__ = ["OrbaxCheckpoint", "is_orbax_tree"]
 
 
-class OrbaxCheckpoint(ReadOnly):
+class OrbaxCheckpoint(ReadsOrbax, ReadOnly):
     """One orbax PyTree checkpoint at any path, read through the backend protocol.
 
     Read-only: what `load_checkpoint` and `from_pretrained` use for an orbax
@@ -44,15 +41,6 @@ class OrbaxCheckpoint(ReadOnly):
         if step != self._step:
             raise FileNotFoundError(f"{self._path} holds one checkpoint, step {self._step}")
         return read_head(self._path)
-
-    def restore(self, step: int, like: Any = None) -> tuple[Any, dict]:
-        return restore_tree(self._reader, self._path, self._head(step), like)
-
-    def structure(self, step: int) -> dict[str, Any]:
-        return structure_of(self._head(step))
-
-    def restore_leaves(self, step: int, paths: Sequence[str]) -> dict[str, Any]:
-        return restore_some(self._reader, self._path, self._head(step), paths)
 
     def close(self) -> None:
         self._reader.close()

@@ -9,6 +9,7 @@ kept as stored (bfloat16 stays bfloat16). Needs the optional extra
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 from typing import Any, Sequence
@@ -16,10 +17,8 @@ from typing import Any, Sequence
 import jax
 
 from loopkit.errors import CheckpointError
-from loopkit.plugins.checkpoint.backends.placement import (
-    like_leaves, placement, put_into,
-)
-from loopkit.plugins.checkpoint.backends.records import dtype_from_name, nest
+from loopkit.plugins.checkpoint.backends.placement import like_leaves, put_like
+from loopkit.plugins.checkpoint.backends.records import dtype_from_name, nest, reading
 from loopkit.plugins.checkpoint.readers.read_only import ReadOnly
 
 __all__ = ["SafetensorsCheckpoint"]
@@ -48,12 +47,10 @@ class SafetensorsCheckpoint(ReadOnly):
     def __init__(self, files: Sequence[str | Path], where: str | Path | None = None) -> None:
         self.files = [Path(f) for f in files]
         self.where = Path(where) if where is not None else self.files[0]
-        self._index: dict[str, tuple[Path, str, jax.ShapeDtypeStruct]] | None = None
 
+    @functools.cached_property
     def _tensors(self) -> dict[str, tuple[Path, str, jax.ShapeDtypeStruct]]:
         """Leaf path -> (file, tensor name, shape and dtype), from the headers alone."""
-        if self._index is not None:
-            return self._index
         index: dict[str, tuple[Path, str, jax.ShapeDtypeStruct]] = {}
         for file in self.files:
             try:
@@ -81,7 +78,6 @@ class SafetensorsCheckpoint(ReadOnly):
                     raise CheckpointError(
                         f"{self.where}: tensor {index[path][1]!r} lies under tensor "
                         f"{index['/'.join(parts[:i])][1]!r}: a leaf path cannot also be a node")
-        self._index = index
         return index
 
     def path(self, step: int) -> Path:
@@ -91,10 +87,10 @@ class SafetensorsCheckpoint(ReadOnly):
         return [0] if all(f.is_file() for f in self.files) else []
 
     def structure(self, step: int) -> dict[str, jax.ShapeDtypeStruct]:
-        return {p: s for p, (_, _, s) in self._tensors().items()}
+        return {p: s for p, (_, _, s) in self._tensors.items()}
 
     def restore_leaves(self, step: int, paths: Sequence[str]) -> dict[str, Any]:
-        index = self._tensors()
+        index = self._tensors
         missing = set(paths) - index.keys()
         if missing:
             raise KeyError(f"{self.where} has no tensors for the leaf paths {sorted(missing)}")
@@ -103,31 +99,21 @@ class SafetensorsCheckpoint(ReadOnly):
         for p in paths:
             by_file.setdefault(index[p][0], []).append(p)
         for file, chosen in by_file.items():
-            try:
-                with _safe_open(file) as f:
-                    for p in chosen:
-                        arr = f.get_tensor(index[p][1])
-                        if arr.dtype != index[p][2].dtype:  # never cast
-                            raise ValueError(f"tensor {index[p][1]!r} read as {arr.dtype}")
-                        out[p] = arr
-            except Exception as e:
-                raise CheckpointError(f"safetensors file {file} cannot be read: {e}") from e
+            with reading(f"safetensors file {file}"), _safe_open(file) as f:
+                for p in chosen:
+                    arr = f.get_tensor(index[p][1])
+                    if arr.dtype != index[p][2].dtype:  # never cast
+                        raise ValueError(f"tensor {index[p][1]!r} read as {arr.dtype}")
+                    out[p] = arr
         return out
 
     def restore(self, step: int, like: Any = None) -> tuple[Any, dict]:
         from loopkit.pytree import conform
 
-        values = self.restore_leaves(step, list(self._tensors()))
+        values = self.restore_leaves(step, list(self._tensors))
         want = like_leaves(like)
-        records, leaves, placed, shardings = [], [], [], []
-        for p, arr in values.items():
-            as_jax, sharding = placement(want.get(p), arr.shape, arr.dtype)
-            if as_jax:
-                placed.append(len(leaves))
-                shardings.append(sharding)
-            records.append(tuple(p.split("/")))
-            leaves.append(arr)
+        leaves = list(values.values())
         # placed in one batch: a device_put per tensor adds up over thousands
-        put_into(leaves, placed, shardings)
-        state = nest(records, leaves)
+        put_like(leaves, [(i, want.get(p), None) for i, p in enumerate(values)])
+        state = nest([tuple(p.split("/")) for p in values], leaves)
         return (state if like is None else conform(state, like)), {}
