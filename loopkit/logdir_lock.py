@@ -141,8 +141,9 @@ class LogdirLock:
             age = time.time() - float(lease.get("renewed", 0))
             if watched is not None and lease.get("renewed") != watched[0]:
                 raise _in_use(self.logdir, lease, "its lease was renewed while this run waited")
-            # expired by its own stamp, or unrenewed for `expiry` by this clock
-            if age >= expiry or (watched is not None and self._clock() >= watched[1]):
+            # expired by its own stamp (a NaN stamp too), or unrenewed for `expiry` by
+            # this clock
+            if not age < expiry or (watched is not None and self._clock() >= watched[1]):
                 log.warning("loopkit: taking over the logdir %s from process %s on host %r, "
                             "whose lease was last renewed %.0f s ago", self.logdir,
                             lease.get("pid"), lease.get("host"), age)

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import difflib
 import os
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import jax
 
@@ -132,9 +131,8 @@ class Supervisor:
 
     # -- the session -------------------------------------------------------------------
 
-    @contextlib.contextmanager
     def managed_session(self, step_fn: Callable[..., Any], init: Any, *,
-                        data: Any = None) -> Iterator[Session]:
+                        data: Any = None) -> _ManagedSession:
         """A context manager that starts a session and yields its `Session`.
 
         Start-up follows `prepare_or_wait_for_session`: recover from the latest
@@ -149,24 +147,43 @@ class Supervisor:
         with `data` set, read batches from `session.input.iterator`, or the
         saved input position will not match what the steps consumed.
         """
-        if self._active:
+        return _ManagedSession(self, step_fn, init, data)
+
+
+class _ManagedSession:
+    """The `with` block of `managed_session`: opens a `Session`, closes it on exit.
+
+    A class, not a generator: a generator turns a `StopIteration` raised in the
+    start-up or in an `on_stop` into "RuntimeError: generator raised StopIteration"
+    (PEP 479), and the user's error must come out as it was raised.
+    """
+
+    def __init__(self, sv: Supervisor, step_fn: Callable[..., Any], init: Any, data: Any) -> None:
+        self.sv, self.step_fn, self.init, self.data = sv, step_fn, init, data
+
+    def __enter__(self) -> Session:
+        sv = self.sv
+        if sv._active:
             raise RuntimeError("this Supervisor already runs a session: leave its `with` "
                                "block first (or use another Supervisor)")
-        if self._coord.stopped:  # a used coordinator; a fresh one keeps threads from loop()
-            self._coord = Coordinator()
-        self._active = True
+        if sv._coord.stopped:  # a used coordinator; a fresh one keeps threads from loop()
+            sv._coord = Coordinator()
+        sv._active = True
         try:
-            pm = make_plugin_manager(self.config, self._plugins)
-            session = Session(self.config, pm, step_fn, self._coord, self._clock)
-            self._session = session
-            session.open(init, data)
-            try:
-                yield session
-            except BaseException as exc:
-                # A StopIteration from the user's code is exhausted input: a normal stop,
-                # as OutOfRangeError was (the session records it as "data_exhausted").
-                session.close(exc)  # raises whatever must be raised
-            else:
-                session.close()
+            pm = make_plugin_manager(sv.config, sv._plugins)
+            session = Session(sv.config, pm, self.step_fn, sv._coord, sv._clock)
+            sv._session = session
+            session.open(self.init, self.data)
+        except BaseException:
+            sv._active = False
+            raise
+        return session
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        # A StopIteration from the user's code is exhausted input: a normal stop,
+        # as OutOfRangeError was (the session records it as "data_exhausted").
+        try:
+            self.sv._session.close(exc)
         finally:
-            self._active = False
+            self.sv._active = False
+        return True  # close() raised whatever must be raised

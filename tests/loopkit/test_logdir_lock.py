@@ -135,8 +135,10 @@ def test_a_live_lease_refuses_a_second_run(url):
     assert not storage.exists(f"{url}/{LEASE_NAME}")  # a clean stop removes it
 
 
-def test_an_expired_lease_is_taken_over_at_once(url, caplog):
-    _lease(url, renewed=time.time() - 3600)
+@pytest.mark.parametrize("renewed", ["an hour ago", "NaN"])
+def test_an_expired_lease_is_taken_over_at_once(url, caplog, renewed):
+    # a NaN stamp (a hand-edited or damaged lease) is no proof of life either
+    _lease(url, renewed=time.time() - 3600 if renewed == "an hour ago" else float("nan"))
     with caplog.at_level(logging.WARNING, logger="loopkit"):
         r = loopkit.train(lambda s: (s + 1, {}), init=jnp.zeros(()), logdir=url, max_steps=2,
                           checkpoint_backend="npz", **QUIET)

@@ -262,6 +262,23 @@ def test_every_on_stop_runs_even_if_one_raises_and_a_clean_run_reraises_it():
     assert any("'on_stop' of plugin 'A'" in n for n in info.value.__notes__)
 
 
+@pytest.mark.parametrize("where", ["init_fn", "on_stop"])
+def test_a_stop_iteration_outside_the_loop_comes_out_as_raised(where):
+    # e.g. an init_fn taking next() of an empty iterator: the user's StopIteration (an
+    # on_stop's with the note naming it), not "RuntimeError: generator raised StopIteration"
+    class Stops:
+        @loopkit.hookimpl
+        def on_stop(self):
+            next(iter(()))
+
+    kw = (dict(init_fn=lambda s: next(iter(())))
+          if where == "init_fn" else dict(plugins=[Stops()]))
+    with pytest.raises(StopIteration) as info:
+        loopkit.train(count_step, init=jnp.zeros(()), max_steps=2, **kw, **FAST)
+    if where == "on_stop":
+        assert any("'on_stop' of plugin" in n for n in info.value.__notes__)
+
+
 def test_on_stop_error_after_a_failed_run_is_a_note_on_the_original():
     class A:
         @loopkit.hookimpl
