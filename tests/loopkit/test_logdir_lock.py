@@ -135,10 +135,10 @@ def test_a_live_lease_refuses_a_second_run(url):
     assert not storage.exists(f"{url}/{LEASE_NAME}")  # a clean stop removes it
 
 
-@pytest.mark.parametrize("renewed", ["an hour ago", "NaN"])
-def test_an_expired_lease_is_taken_over_at_once(url, caplog, renewed):
+@pytest.mark.parametrize("ago", [3600.0, float("nan")], ids=["an hour ago", "NaN"])
+def test_an_expired_lease_is_taken_over_at_once(url, caplog, ago):
     # a NaN stamp (a hand-edited or damaged lease) is no proof of life either
-    _lease(url, renewed=time.time() - 3600 if renewed == "an hour ago" else float("nan"))
+    _lease(url, renewed=time.time() - ago)
     with caplog.at_level(logging.WARNING, logger="loopkit"):
         r = loopkit.train(lambda s: (s + 1, {}), init=jnp.zeros(()), logdir=url, max_steps=2,
                           checkpoint_backend="npz", **QUIET)
