@@ -62,7 +62,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from loopkit.pytree import abstract  # noqa: E402
+from loopkit.state.pytree import abstract  # noqa: E402
 from loopkit.plugins.checkpoint.backends.npz import NpzBackend  # noqa: E402
 from loopkit.plugins.checkpoint.backends.orbax import OrbaxBackend  # noqa: E402
 

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from loopkit.carry import StepCarry
-from loopkit.checkpoint import CheckpointBackend, Restored, RollbackRecord
+from loopkit.loop.carry import StepCarry
+from loopkit.plugin.backend import CheckpointBackend, Restored, RollbackRecord
 from loopkit.config import Config
-from loopkit.coordinator import Coordinator
+from loopkit.loop.coordinator import Coordinator
 from loopkit.errors import (
     HANG_EXIT_CODE, CheckpointError, LogdirInUseError, NonFiniteError, PluginError, SpikeError,
 )
-from loopkit.hookspec import hookimpl, hookspec
-from loopkit.session import Session
-from loopkit.stash import StashKey
+from loopkit.plugin.hookspec import hookimpl, hookspec
+from loopkit.loop.session import Session
+from loopkit.loop.stash import StashKey
 from loopkit.supervisor import Supervisor
 from loopkit.train import TrainResult, train
 

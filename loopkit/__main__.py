@@ -1,3 +1,3 @@
-from loopkit.cli import main
+from loopkit.process.cli import main
 
 raise SystemExit(main())

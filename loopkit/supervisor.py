@@ -9,9 +9,9 @@ from typing import Any, Callable, Iterable, Mapping
 import jax
 
 from loopkit.config import Config
-from loopkit.coordinator import Coordinator, LooperThread
-from loopkit.manager import make_plugin_manager
-from loopkit.session import Session
+from loopkit.loop.coordinator import Coordinator, LooperThread
+from loopkit.plugin.manager import make_plugin_manager
+from loopkit.loop.session import Session
 
 __all__ = ["Supervisor", "make_config"]
 

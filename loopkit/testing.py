@@ -19,7 +19,7 @@ import socket
 import threading
 from typing import Any
 
-from loopkit.hookspec import hookimpl
+from loopkit.plugin.hookspec import hookimpl
 
 __all__ = ["FakeClock", "HookCall", "HookRecorder", "Tick", "assert_same_state",
            "free_port", "kill_after_checkpoint", "read_events", "scalars"]
@@ -143,7 +143,7 @@ def assert_same_state(got: Any, want: Any) -> None:
     import jax
     import numpy as np
 
-    from loopkit.pytree import is_key, leaves_with_paths
+    from loopkit.state.pytree import is_key, leaves_with_paths
 
     got_leaves, want_leaves = leaves_with_paths(got), leaves_with_paths(want)
     assert [p for p, _ in got_leaves] == [p for p, _ in want_leaves], "the leaf paths differ"

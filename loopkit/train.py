@@ -6,8 +6,8 @@ import dataclasses
 from typing import Any, Callable, Iterable
 
 from loopkit.config import Config
-from loopkit.coordinator import add_note, has_origin
-from loopkit.session import Session
+from loopkit.loop.coordinator import add_note, has_origin
+from loopkit.loop.session import Session
 from loopkit.supervisor import Supervisor
 
 __all__ = ["TrainResult", "train"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from loopkit.config import Config
-from loopkit.hookspec import hookimpl
+from loopkit.plugin.hookspec import hookimpl
 
 __all__ = ["InitPlugin", "plugin"]
 

@@ -21,10 +21,10 @@ import numpy as np
 
 from loopkit.config import Config
 from loopkit.errors import NonFiniteError, SpikeError
-from loopkit.hookspec import hookimpl
+from loopkit.plugin.hookspec import hookimpl
 
 if TYPE_CHECKING:
-    from loopkit.session import Session
+    from loopkit.loop.session import Session
 
 __all__ = ["NanGuardPlugin", "RunningMedian", "plugin"]
 

@@ -30,9 +30,9 @@ import jax
 import numpy as np
 
 from loopkit.config import Config
-from loopkit.coordinator import add_note, has_origin
-from loopkit.data import Input, Reader, snapshot_state
-from loopkit.hookspec import hookimpl
+from loopkit.loop.coordinator import add_note, has_origin
+from loopkit.loop.data import Input, Reader, snapshot_state
+from loopkit.plugin.hookspec import hookimpl
 
 INACTIVE = "Config.prefetch is 0 and neither data_transform nor data_sharding is set"
 

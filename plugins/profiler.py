@@ -29,10 +29,10 @@ import jax
 
 from loopkit import storage
 from loopkit.config import Config
-from loopkit.hookspec import hookimpl
+from loopkit.plugin.hookspec import hookimpl
 
 if TYPE_CHECKING:
-    from loopkit.session import Session
+    from loopkit.loop.session import Session
 
 __all__ = ["ProfilerPlugin", "plugin"]
 

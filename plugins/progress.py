@@ -20,12 +20,12 @@ import sys
 from typing import TYPE_CHECKING, Any, Mapping, TextIO
 
 from loopkit.config import Config
-from loopkit.hookspec import hookimpl
-from loopkit.stash import StashKey
+from loopkit.plugin.hookspec import hookimpl
+from loopkit.loop.stash import StashKey
 from loopkit.plugins.summary_values import chosen
 
 if TYPE_CHECKING:
-    from loopkit.session import Session
+    from loopkit.loop.session import Session
 
 __all__ = ["BAR_SECS", "LOG_SECS", "METRICS_SECS", "RATE_SHOWN", "ProgressPlugin",
            "format_duration", "format_metrics", "plugin", "time_shares"]

@@ -28,15 +28,15 @@ from typing import TYPE_CHECKING, Any, Mapping
 import jax
 import numpy as np
 
-from loopkit.checkpoint import RollbackRecord
+from loopkit.plugin.backend import RollbackRecord
 from loopkit.config import Config
-from loopkit.coordinator import add_note
+from loopkit.loop.coordinator import add_note
 from loopkit.errors import NonFiniteError, SpikeError
-from loopkit.hookspec import hookimpl
+from loopkit.plugin.hookspec import hookimpl
 from loopkit.plugins.nan_guard import NanGuardPlugin
 
 if TYPE_CHECKING:
-    from loopkit.session import Session
+    from loopkit.loop.session import Session
 
 __all__ = ["HostCopy", "ROLLBACKS_TAG", "RollbackGuard"]
 

@@ -14,11 +14,11 @@ import logging
 from typing import TYPE_CHECKING
 
 from loopkit.config import Config
-from loopkit.hookspec import hookimpl
+from loopkit.plugin.hookspec import hookimpl
 from loopkit.plugins.progress import RATE_SHOWN
 
 if TYPE_CHECKING:
-    from loopkit.session import Session
+    from loopkit.loop.session import Session
 
 __all__ = ["TAG", "StepCounterPlugin", "plugin"]
 

@@ -28,14 +28,14 @@ import numpy as np
 
 from loopkit import storage
 from loopkit.config import Config
-from loopkit.hookspec import hookimpl
+from loopkit.plugin.hookspec import hookimpl
 from loopkit.plugins.mirror import Mirror
 from loopkit.plugins.summary_values import IntervalMean, chosen
-from loopkit.writer import write_values
+from loopkit.loop.writer import write_values
 
 if TYPE_CHECKING:
-    from loopkit.carry import StepCarry
-    from loopkit.session import Session
+    from loopkit.loop.carry import StepCarry
+    from loopkit.loop.session import Session
 
 __all__ = ["FLUSH_SECS", "SummariesPlugin", "config_markdown", "event_file_suffix",
            "plugin", "write_hparams"]

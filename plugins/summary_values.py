@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from loopkit.carry import StepCarry
+from loopkit.loop.carry import StepCarry
 
 __all__ = ["IntervalMean", "chosen", "is_chosen"]
 

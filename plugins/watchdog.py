@@ -36,13 +36,13 @@ from typing import TYPE_CHECKING, Any, Callable
 from loopkit import storage
 from loopkit.config import Config
 from loopkit.errors import HANG_EXIT_CODE
-from loopkit.hookspec import hookimpl
+from loopkit.plugin.hookspec import hookimpl
 from loopkit.plugins.goodput.ledger import LEDGER
 from loopkit.plugins.goodput.records import Hang
 from loopkit.plugins.hang_peers import ProcessSteps
 
 if TYPE_CHECKING:
-    from loopkit.session import Session
+    from loopkit.loop.session import Session
 
 __all__ = ["HangWatchdog", "plugin"]
 

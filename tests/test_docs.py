@@ -32,7 +32,7 @@ def test_every_hook_is_in_the_hooks_reference():
     import importlib
 
     # the module, not the `loopkit.hookspec` marker the package re-exports
-    spec = importlib.import_module("loopkit.hookspec")
+    spec = importlib.import_module("loopkit.plugin.hookspec")
     text = (ROOT / "docs" / "hooks.md").read_text()
     hooks = [n for n, f in vars(spec).items()
              if inspect.isfunction(f) and hasattr(f, "loopkit_spec")]
@@ -58,7 +58,7 @@ def test_every_documented_session_attribute_exists(tmp_path):
             named.add((path.name, first, second))
     assert len(named) >= 10
     seen = {}
-    from loopkit.checkpoint import Restored
+    from loopkit.plugin.backend import Restored
 
     OPTIONAL = {"restored": Restored}  # attributes that are None on a fresh start
 

@@ -37,7 +37,7 @@ def run(site, code, **env):
 
 
 def test_listed_as_entry_point_plugins(site):
-    p = run(site, "from loopkit.cli import main; main(['plugins'])")
+    p = run(site, "from loopkit.process.cli import main; main(['plugins'])")
     rows = {line.split()[0]: line for line in p.stdout.splitlines()}
     assert "entry point (loopkit-example-plugin)" in rows["time_limit"]
     assert "session_create" in rows["time_limit"]
@@ -66,7 +66,7 @@ def test_time_limit_and_compressed_backend_in_a_run(site, tmp_path):
 def test_every_helper_and_the_cli_read_the_plugin_backend(site, tmp_path):
     p = run(site, f"""
         import jax, jax.numpy as jnp, numpy as np, loopkit
-        from loopkit.cli import main
+        from loopkit.process.cli import main
         logdir = {str(tmp_path)!r}
         init = {{"w": jnp.zeros(3), "b": jnp.zeros(2)}}
         r = loopkit.train(lambda s: (jax.tree.map(lambda x: x + 1, s), {{}}), init=init,

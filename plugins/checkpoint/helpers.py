@@ -22,7 +22,7 @@ from loopkit import storage
 from loopkit.plugins.checkpoint.locate import Backends, basename_of, locate, recoverable
 from loopkit.plugins.checkpoint.recovery import durable_best
 from loopkit.plugins.checkpoint.tf_file import checkpoint_path, read_state
-from loopkit.pytree import check_matches, conform, leaf_path, leaves_with_paths, shape_dtype
+from loopkit.state.pytree import check_matches, conform, leaf_path, leaves_with_paths, shape_dtype
 
 __all__ = [
     "checkpoints_iterator",

@@ -47,7 +47,7 @@ class Backends:
 
     def __init__(self, directory: Path | str, basename: str) -> None:
         from loopkit.config import Config
-        from loopkit.manager import make_plugin_manager
+        from loopkit.plugin.manager import make_plugin_manager
 
         config = Config(logdir=str(directory), checkpoint_basename=basename)
         pm = make_plugin_manager(config)

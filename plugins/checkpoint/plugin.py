@@ -34,11 +34,11 @@ from typing import Any, Optional
 import jax
 
 from loopkit import storage
-from loopkit.checkpoint import CheckpointBackend, Restored
+from loopkit.plugin.backend import CheckpointBackend, Restored
 from loopkit.config import Config
-from loopkit.hookspec import hookimpl
-from loopkit.pytree import abstract, check_storable, conform
-from loopkit.stash import StashKey
+from loopkit.plugin.hookspec import hookimpl
+from loopkit.state.pytree import abstract, check_storable, conform
+from loopkit.loop.stash import StashKey
 from loopkit.plugins.checkpoint.position import encode_position
 from loopkit.plugins.checkpoint import rollback
 from loopkit.plugins.checkpoint.recovery import (

@@ -16,7 +16,7 @@ from typing import Any, Callable, Collection
 import jax
 import numpy as np
 
-from loopkit.checkpoint import CheckpointBackend, Restored
+from loopkit.plugin.backend import CheckpointBackend, Restored
 from loopkit.errors import CheckpointError
 from loopkit.plugins.checkpoint.position import decode_position
 from loopkit.plugins.checkpoint.tf_file import CheckpointState, recovery_order

@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 from loopkit.errors import CheckpointError
-from loopkit.pytree import is_key, leaf_path
+from loopkit.state.pytree import is_key, leaf_path
 
 __all__ = ["agree_to_save", "host_copies"]
 

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
-from loopkit.checkpoint import Restored
+from loopkit.plugin.backend import Restored
 from loopkit.errors import CheckpointError
 from loopkit.plugins.checkpoint.recovery import (
     any_process, common_steps, read_together,

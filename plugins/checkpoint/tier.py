@@ -15,8 +15,8 @@ import threading
 import time
 from typing import Any, Callable
 
-from loopkit.checkpoint import CheckpointBackend
-from loopkit.coordinator import add_note
+from loopkit.plugin.backend import CheckpointBackend
+from loopkit.loop.coordinator import add_note
 from loopkit.errors import CheckpointError
 from loopkit.plugins.checkpoint.retention import Ledger
 from loopkit.plugins.checkpoint.tf_file import CheckpointState, checkpoint_path

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from loopkit import storage
 from loopkit.plugins.mirror import Mirror
-from loopkit.stash import StashKey
+from loopkit.loop.stash import StashKey
 from loopkit.plugins.goodput.records import (
     LEDGER_NAME, Record, Start, append_line, records_in,
 )

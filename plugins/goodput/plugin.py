@@ -23,13 +23,13 @@ from typing import TYPE_CHECKING, Any
 import jax
 
 from loopkit.config import Config
-from loopkit.hookspec import hookimpl
+from loopkit.plugin.hookspec import hookimpl
 from loopkit.plugins.goodput.ledger import LEDGER, SAVE_TIMES, Ledger, SaveTimes
 from loopkit.plugins.goodput.records import Rollback, Start, Stop, Window
 from loopkit.plugins.goodput.report import CAUSES, GoodputReport
 
 if TYPE_CHECKING:
-    from loopkit.session import Session
+    from loopkit.loop.session import Session
 
 __all__ = ["GoodputPlugin", "process_start_time", "write_report"]
 

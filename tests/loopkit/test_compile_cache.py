@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 import loopkit
-from loopkit.compile_cache import CACHE_NAME
+from loopkit.process.compile_cache import CACHE_NAME
 
 RUN = textwrap.dedent("""
     import logging, sys, jax, jax.numpy as jnp, loopkit

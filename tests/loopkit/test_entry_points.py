@@ -74,13 +74,13 @@ def test_import_failure_names_the_plugin(site):
 
 
 def test_cli_lists_plugins_with_origin_and_hooks(site):
-    p = _run(site, "from loopkit.cli import main; main(['plugins'])",)
+    p = _run(site, "from loopkit.process.cli import main; main(['plugins'])",)
     # the broken plugin makes listing fail loudly too, naming it
     assert 'Error importing plugin "ep_broken"' in p.stderr
     full = dict(os.environ, PYTHONPATH=str(site), JAX_PLATFORMS="cpu")
     full.pop("LOOPKIT_DISABLE_PLUGIN_AUTOLOAD", None)
     p = subprocess.run([sys.executable, "-c",
-                        "import loopkit.manager as m, loopkit.cli as c;"
+                        "import loopkit.plugin.manager as m, loopkit.process.cli as c;"
                         "from loopkit import Config;"
                         "orig = m.make_plugin_manager;"
                         "m.make_plugin_manager = lambda cfg, plugins=(): orig(Config(disable=('ep_broken',)));"

@@ -13,7 +13,7 @@ import sys
 SCRIPT = r'''
 import json, logging, jax, jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
-from loopkit.init_trace import Guessed, trace_init
+from loopkit.state.init_trace import Guessed, trace_init
 
 mesh = jax.make_mesh((4,), ("d",), axis_types=(AxisType.Auto,))
 rows = NamedSharding(mesh, P("d"))

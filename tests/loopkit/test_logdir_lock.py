@@ -18,7 +18,7 @@ import pytest
 
 import loopkit
 from loopkit import storage
-from loopkit.logdir_lock import LEASE_NAME, RENEW_ENV
+from loopkit.process.logdir_lock import LEASE_NAME, RENEW_ENV
 
 QUIET = dict(progress=False, autoload=False)
 

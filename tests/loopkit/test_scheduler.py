@@ -4,7 +4,7 @@ import pytest
 
 import loopkit
 import jax.numpy as jnp
-from loopkit.scheduler import Scheduler
+from loopkit.loop.scheduler import Scheduler
 from loopkit.testing import FakeClock
 
 
@@ -129,7 +129,7 @@ def test_fake_clock_drives_time_timers_through_train():
 
 
 def test_agreement_decides_time_triggers_only_at_agreement_steps():
-    from loopkit.scheduler import Agreement
+    from loopkit.loop.scheduler import Agreement
 
     clock = FakeClock()
     sched = Scheduler(clock)
@@ -164,7 +164,7 @@ def test_agreement_decides_time_triggers_only_at_agreement_steps():
 
 
 def test_agreement_refuses_two_timer_names_that_would_share_a_vote():
-    from loopkit.scheduler import Agreement
+    from loopkit.loop.scheduler import Agreement
 
     clock = FakeClock()
     a = Agreement(lambda v: v, lambda: False, lambda: None, clock)
@@ -179,7 +179,7 @@ def test_agreement_refuses_two_timer_names_that_would_share_a_vote():
 
 
 def test_agreement_interval_is_the_same_function_of_agreed_numbers():
-    from loopkit.scheduler import Agreement
+    from loopkit.loop.scheduler import Agreement
 
     clock = FakeClock()
     a = Agreement(lambda v: v[:-1] + [500], lambda: False, lambda: None, clock, interval=10,
@@ -190,7 +190,7 @@ def test_agreement_interval_is_the_same_function_of_agreed_numbers():
 
 
 def test_agreement_stops_every_process_after_the_last_step_all_have_a_batch_for():
-    from loopkit.scheduler import Agreement
+    from loopkit.loop.scheduler import Agreement
 
     clock = FakeClock()
     other_has = {"n": 10**6}  # the other process's batches read ahead
@@ -213,8 +213,8 @@ def test_agreement_stops_every_process_after_the_last_step_all_have_a_batch_for(
 
 
 def test_a_background_error_on_one_process_stops_every_process_at_the_agreement():
-    from loopkit.coordinator import Coordinator
-    from loopkit.scheduler import Agreement
+    from loopkit.loop.coordinator import Coordinator
+    from loopkit.loop.scheduler import Agreement
 
     coord = Coordinator()
     coord.agreed = True

@@ -258,7 +258,7 @@ def test_a_static_field_mismatch_names_the_field_and_both_values():
         w: jax.Array
         activation: str = flax_struct.field(pytree_node=False)
 
-    from loopkit.pytree import check_matches
+    from loopkit.state.pytree import check_matches
 
     with pytest.raises(ValueError) as info:
         check_matches({"m": Model(jnp.zeros(2), "relu")}, {"m": Model(jnp.zeros(2), "gelu")})

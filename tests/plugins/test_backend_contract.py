@@ -30,7 +30,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import loopkit
-from loopkit.pytree import check_matches, conform
+from loopkit.state.pytree import check_matches, conform
 from loopkit.plugins.checkpoint.backends.npz import NpzBackend
 from loopkit.plugins.checkpoint.backends.orbax import OrbaxBackend
 
@@ -60,7 +60,7 @@ Point = collections.namedtuple("Point", "x y")
 def flat(tree: Any) -> dict[str, Any]:
     """Leaf path -> leaf, None leaves included (as backends store them)."""
     pairs, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)
-    return {"/".join(loopkit.pytree.leaf_path((k,)) for k in kp): v for kp, v in pairs}
+    return {"/".join(loopkit.state.pytree.leaf_path((k,)) for k in kp): v for kp, v in pairs}
 
 
 def assert_same_leaf(got: Any, want: Any, where: str) -> None:
@@ -128,7 +128,7 @@ class ContractTests:
         state = awkward_state()
         backend.save(1, state, {})
         backend.wait()
-        restored, _ = backend.restore(1, loopkit.pytree.abstract(state))
+        restored, _ = backend.restore(1, loopkit.state.pytree.abstract(state))
         for path, leaf in flat(restored).items():
             want = flat(state)[path]
             if isinstance(want, (np.ndarray, jax.Array)) and not isinstance(want, np.generic):

@@ -258,7 +258,7 @@ jax.config.update("jax_cpu_collectives_implementation", "gloo")
 n, i, port = map(int, sys.argv[3:6])
 jax.distributed.initialize(f"127.0.0.1:{port}", n, i, initialization_timeout=60)
 from jax.sharding import NamedSharding, PartitionSpec as P
-from loopkit.pytree import abstract
+from loopkit.state.pytree import abstract
 mesh = jax.make_mesh((jax.device_count(),), ("d",))
 rows = NamedSharding(mesh, P("d"))
 full = np.arange(24, dtype=np.float32).reshape(8, 3)

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 import loopkit
-from loopkit.compile_cache import CACHE_NAME
-from loopkit.logdir_lock import LOCK_NAME
-from loopkit.manager import make_plugin_manager
+from loopkit.process.compile_cache import CACHE_NAME
+from loopkit.process.logdir_lock import LOCK_NAME
+from loopkit.plugin.manager import make_plugin_manager
 from loopkit.plugins import checkpoint as ckpt_plugin
 from loopkit.plugins.checkpoint.tf_file import read_state
 from loopkit.plugins.checkpoint.backends.npz import NpzBackend
@@ -149,7 +149,7 @@ def test_inactive_without_logdir_or_backend(tmp_path):
     assert pm.inactive["checkpoint"] == ckpt_plugin.INACTIVE
     assert "Config.logdir" in ckpt_plugin.INACTIVE
     r = run(tmp_path, backend=None, max_steps=3)
-    # nothing but the run's logdir lock (loopkit.logdir_lock): no checkpoint, no event file
+    # nothing but the run's logdir lock (loopkit.process.logdir_lock): no checkpoint, no event file
     # no checkpoint: only the run's lock, the compilation cache and the goodput ledger
     assert r.step == 3 and {p.name for p in tmp_path.iterdir()} <= {LOCK_NAME, CACHE_NAME,
                                                                      LEDGER_NAME}

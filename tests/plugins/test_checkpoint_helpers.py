@@ -220,8 +220,8 @@ import json, os, re
 from pathlib import Path
 import numpy as np
 import loopkit
-from loopkit.fs import atomic_write_bytes, fsync_dir
-from loopkit.pytree import leaves_with_paths
+from loopkit.storage.local import atomic_write_bytes, fsync_dir
+from loopkit.state.pytree import leaves_with_paths
 
 
 class JsonBackend:
@@ -294,7 +294,7 @@ def protocol_only_backend(tmp_path, monkeypatch):
 
 def test_a_backend_with_only_the_protocol_and_the_hook_is_found_by_every_helper(
         tmp_path, protocol_only_backend, capsys):
-    from loopkit.cli import main
+    from loopkit.process.cli import main
 
     logdir = tmp_path / "run"
     init = {"w": jnp.zeros(3), "b": jnp.zeros(2)}

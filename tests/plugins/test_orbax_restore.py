@@ -12,7 +12,7 @@ import pytest
 
 from loopkit.errors import CheckpointError
 from loopkit.plugins.checkpoint.backends.orbax import OrbaxBackend
-from loopkit.pytree import abstract
+from loopkit.state.pytree import abstract
 
 
 def many_leaves():

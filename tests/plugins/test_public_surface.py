@@ -282,7 +282,7 @@ def test_only_orbax_s_public_contract_and_no_other_library_s_private_members():
     name orbax's ``_METADATA`` / ``_CHECKPOINT_METADATA`` only to test that one exists."""
     modules = [_Module(p) for p in _SOURCES]
     assert _ROOT / "plugins" / "checkpoint" / "backends" / "orbax_write.py" in _SOURCES
-    assert _ROOT / "loopkit" / "step.py" in _SOURCES
+    assert _ROOT / "loopkit" / "loop" / "step.py" in _SOURCES
     assert _violations(modules) == []
 
 
@@ -296,7 +296,7 @@ def test_the_rules_catch_what_they_forbid():
     assert check("from orbax.checkpoint._src.path import atomicity")[0].startswith("(a)")
     assert check("import jax._src.core as core")[0].startswith("(a)")
     assert check("from orbax.checkpoint import _src")[0].startswith("(a)")
-    assert check("from loopkit.pytree import _short") == []  # loopkit's own
+    assert check("from loopkit.state.pytree import _short") == []  # loopkit's own
     overriding = """
         import orbax.checkpoint as ocp
         class H(ocp.type_handlers.NumpyHandler):

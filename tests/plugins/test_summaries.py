@@ -67,7 +67,7 @@ class Capture:
 def test_builtins_stay_off_the_per_step_path():
     import importlib
 
-    from loopkit.manager import BUILTINS
+    from loopkit.plugin.manager import BUILTINS
 
     on = 0
     for name in BUILTINS:  # every built-in a default config (with a logdir) turns on

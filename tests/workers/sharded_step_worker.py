@@ -21,12 +21,12 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import loopkit  # noqa: E402
-import loopkit.step  # noqa: E402
+import loopkit.loop.step  # noqa: E402
 from loopkit.testing import assert_same_state  # noqa: E402
 
 directory, case = sys.argv[1:3]
 if "host_copy" in sys.argv[3:]:
-    loopkit.step.views_protect = lambda: False
+    loopkit.loop.step.views_protect = lambda: False
 
 mesh = jax.make_mesh((2, 2), ("fsdp", "tensor"))
 FSDP_TP = NamedSharding(mesh, P("tensor", "fsdp"))

@@ -41,8 +41,8 @@ except ImportError:
     from zlib import crc32
 
 from loopkit.errors import CheckpointError
-from loopkit.fs import fsync_dir
-from loopkit.pytree import conform
+from loopkit.storage.local import fsync_dir
+from loopkit.state.pytree import conform
 
 if TYPE_CHECKING:
     from loopkit.config import Config

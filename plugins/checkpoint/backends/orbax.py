@@ -67,7 +67,7 @@ import numpy as np
 
 from loopkit import storage
 from loopkit.errors import CheckpointError
-from loopkit.fs import fsync_dir, fsync_tree
+from loopkit.storage.local import fsync_dir, fsync_tree
 from loopkit.plugins.checkpoint.backends.orbax_layout import (
     HEAD_KEY as _KEY, VERSION as _VERSION, Head, objects_needed, sequence_nodes,
 )

@@ -53,7 +53,7 @@ def sequence_nodes(state: Any) -> list[dict]:
     import jax
     import orbax.checkpoint as ocp
 
-    from loopkit.pytree import leaf_path
+    from loopkit.state.pytree import leaf_path
 
     found: dict[tuple[str, ...], int] = {}
     leaf_types = (jax.Array, *_LEAF_TYPES)
@@ -98,8 +98,8 @@ def objects_needed(names: list[str], read_json: Any, like: Any) -> list[str] | N
 
     import jax
 
-    from loopkit.init_trace import Guessed
-    from loopkit.pytree import leaf_path
+    from loopkit.state.init_trace import Guessed
+    from loopkit.state.pytree import leaf_path
 
     if like is None or any(n.startswith("ocdbt.") or n.endswith("manifest.ocdbt")
                            for n in names):

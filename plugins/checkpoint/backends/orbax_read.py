@@ -330,7 +330,7 @@ def read_arrays(reader: Any, path: Path, head: Head, records: Sequence[LeafRecor
 
 def restore_tree(reader: Any, path: Path, head: Head, like: Any) -> tuple[Any, dict]:
     """The whole state of the checkpoint at `path` (placed like `like`), and its metadata."""
-    from loopkit.pytree import conform
+    from loopkit.state.pytree import conform
 
     values = read_arrays(reader, path, head, head.records, like_leaves(like))
     state = nest([r.path for r in head.records], values)

@@ -15,8 +15,8 @@ from typing import Any, Iterable, Sequence
 import jax
 import numpy as np
 
-from loopkit.init_trace import Guessed
-from loopkit.pytree import is_key, leaves_with_paths
+from loopkit.state.init_trace import Guessed
+from loopkit.state.pytree import is_key, leaves_with_paths
 
 log = logging.getLogger("loopkit")
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from loopkit.errors import CheckpointError
 from loopkit.plugins.checkpoint.backends.placement import layout_of, valid_layout
-from loopkit.pytree import is_key, leaf_path
+from loopkit.state.pytree import is_key, leaf_path
 
 
 def dtype_name(dtype: np.dtype) -> str:
@@ -65,7 +65,7 @@ class LeafRecord(NamedTuple):
     implementation's name as ``impl``; ``weak`` marks a weakly-typed jax array.
     ``member`` is where a backend keeps the data (the npz member's name).
     ``layout`` is how a jax leaf was placed when saved (`placement.layout_of`), which a
-    restore follows for a leaf whose sharding `init` left to XLA (`loopkit.init_trace.Guessed`).
+    restore follows for a leaf whose sharding `init` left to XLA (`loopkit.state.init_trace.Guessed`).
     """
 
     path: tuple[str, ...]

@@ -17,7 +17,7 @@ import shutil
 from pathlib import Path
 from typing import Iterator
 
-from loopkit.fs import fsync_dir
+from loopkit.storage.local import fsync_dir
 
 log = logging.getLogger("loopkit")
 

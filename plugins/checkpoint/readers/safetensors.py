@@ -108,7 +108,7 @@ class SafetensorsCheckpoint(ReadOnly):
         return out
 
     def restore(self, step: int, like: Any = None) -> tuple[Any, dict]:
-        from loopkit.pytree import conform
+        from loopkit.state.pytree import conform
 
         values = self.restore_leaves(step, list(self._tensors))
         want = like_leaves(like)

@@ -9,17 +9,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from loopkit.init_trace import trace_init
-from loopkit.pytree import abstract, check_matches, conform
+from loopkit.state.init_trace import trace_init
+from loopkit.state.pytree import abstract, check_matches, conform
 
 if TYPE_CHECKING:
-    from loopkit.checkpoint import Restored
-    from loopkit.session import Session
+    from loopkit.plugin.backend import Restored
+    from loopkit.plugin.view import SessionView
 
 __all__ = ["recover_or_init"]
 
 
-def recover_or_init(session: Session, init: Any) -> Restored | None:
+def recover_or_init(session: SessionView, init: Any) -> Restored | None:
     """Set `session`'s state (and step) from a checkpoint or from `init`; what was restored."""
     hook = session.hook
     # A callable init is traced (and lowered where shardings matter), not run;

@@ -1,6 +1,6 @@
 """Local paths and URLs (``s3://``, ``gs://``, any fsspec filesystem) behind one small surface.
 
-A local path keeps the durable file operations of `loopkit.fs` (fsync + atomic
+A local path keeps the durable file operations of `loopkit.storage.local` (fsync + atomic
 rename). A URL goes through fsspec, whose filesystems take credentials and
 endpoints from each service's standard environment (``AWS_ENDPOINT_URL``,
 ``AWS_ACCESS_KEY_ID``, ...; Google's application default credentials and
@@ -20,7 +20,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from loopkit.fs import atomic_write_bytes
+from loopkit.storage.local import atomic_write_bytes
 
 __all__ = [
     "check_url", "exists", "filesystem", "is_dir", "is_url", "join",

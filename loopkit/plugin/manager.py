@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 import pluggy
 
-from loopkit.coordinator import add_note, has_origin
+from loopkit.loop.coordinator import add_note, has_origin
 from loopkit.errors import PluginError
 
 if TYPE_CHECKING:
     from loopkit.config import Config
-    from loopkit.session import Session
+    from loopkit.plugin.view import SessionView
 
 log = logging.getLogger("loopkit")
 
@@ -49,7 +49,7 @@ class PluginManager(pluggy.PluginManager):
     def __init__(self) -> None:
         super().__init__("loopkit")
         # the module, not the `loopkit.hookspec` marker re-exported by the package
-        self.add_hookspecs(importlib.import_module("loopkit.hookspec"))
+        self.add_hookspecs(importlib.import_module("loopkit.plugin.hookspec"))
         #: plugin name -> "built-in" | "entry point (dist)" | "argument"
         self.origins: dict[str, str] = {}
         #: built-ins that this config leaves inactive (e.g. nan_guard without a metric)
@@ -77,7 +77,7 @@ class PluginManager(pluggy.PluginManager):
         """The registered built-ins, in start order."""
         return [n for n in BUILTINS if self.origins.get(n) == "built-in"]
 
-    def call_on_stop(self, session: Session, error: BaseException | None) -> list[BaseException]:
+    def call_on_stop(self, session: SessionView, error: BaseException | None) -> list[BaseException]:
         """Call every `on_stop` implementation, even when one raises; return their errors.
 
         Other plugins first (in pluggy's order), then the built-ins in the reverse

@@ -13,7 +13,7 @@ import time
 import zlib
 from typing import Any, Callable, NamedTuple
 
-from loopkit.coordinator import add_note
+from loopkit.loop.coordinator import add_note
 
 __all__ = ["Agreement", "RunningAction", "Scheduler", "Timer", "agree_across_processes"]
 

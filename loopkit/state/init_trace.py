@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import jax
 
-from loopkit.pytree import PyTree, _short, abstract
+from loopkit.state.pytree import PyTree, _short, abstract
 
 __all__ = ["Guessed", "trace_init"]
 

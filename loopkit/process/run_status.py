@@ -12,7 +12,7 @@ import json
 import os
 from typing import Any
 
-from loopkit.fs import atomic_write_bytes, read_json_object
+from loopkit.storage.local import atomic_write_bytes, read_json_object
 
 __all__ = ["STATUS_ENV", "read_status", "write_status"]
 

@@ -8,7 +8,6 @@ runs every `on_stop`, and re-raises the error that stopped the session.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
@@ -16,29 +15,30 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 import jax
 import numpy as np
 
-from loopkit.compile_cache import use_compilation_cache
-from loopkit.coordinator import (
+from loopkit.process.compile_cache import use_compilation_cache
+from loopkit.loop.coordinator import (
     Coordinator, LooperThread, SignalHandlers, add_note, raise_stop_errors,
 )
-from loopkit.data import Lookahead, make_input
-from loopkit.logdir_lock import LogdirLock
-from loopkit.opening import recover_or_init
-from loopkit.run_status import write_status
-from loopkit.scheduler import (
+from loopkit.loop.data import Lookahead, make_input
+from loopkit.process.logdir_lock import LogdirLock
+from loopkit.state.opening import recover_or_init
+from loopkit.process.run_status import write_status
+from loopkit.loop.scheduler import (
     RunningAction, Scheduler, Timer, agree_across_processes, noted,
 )
-from loopkit.stash import Stash, StashKey
-from loopkit.staging import Staged
-from loopkit.step import CompiledStep
-from loopkit.writer import write_values
+from loopkit.loop.stash import Stash, StashKey
+from loopkit.loop.staging import Staged
+from loopkit.loop.step import CompiledStep
+from loopkit.loop.writer import write_values
+from loopkit.plugin.view import SessionStats
 
 if TYPE_CHECKING:
     import threading
 
-    from loopkit.checkpoint import Restored
+    from loopkit.plugin.backend import Restored
     from loopkit.config import Config
-    from loopkit.data import Input
-    from loopkit.manager import PluginManager
+    from loopkit.loop.data import Input
+    from loopkit.plugin.manager import PluginManager
 
 __all__ = ["Session", "SessionStats", "Stash", "StashKey"]
 
@@ -46,21 +46,6 @@ log = logging.getLogger("loopkit")
 
 PyTree = Any
 _STALE = object()  # Session._state: assemble it from the compiled step when read
-
-
-@dataclasses.dataclass
-class SessionStats:
-    """Where loopkit's own time goes; the summaries and progress plugins report it."""
-
-    #: seconds spent in timer actions (checkpoints, summaries, ...), by timer name
-    timer_secs: dict[str, float] = dataclasses.field(default_factory=dict)
-    #: seconds the loop waited for input (prefetch queue empty)
-    input_wait_secs: float = 0.0
-    #: how many times the metrics were fetched to the host (`Session.host_metrics`)
-    host_conversions: int = 0
-
-    def overhead_secs(self) -> float:
-        return sum(self.timer_secs.values()) + self.input_wait_secs
 
 
 class Session:

@@ -1,7 +1,7 @@
 """A state staged for a background reader while the loop goes on, and CPU's spare buffers.
 
 `CompiledStep.stage` hands a saver the state in a form the next steps cannot
-overwrite (see loopkit/step.py for which form, where). This module holds the
+overwrite (see loopkit/loop/step.py for which form, where). This module holds the
 parts: host copies, host views, and `Spare`, the CPU bookkeeping of buffers a
 finished save gave back for a later step to write into.
 """
@@ -15,7 +15,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import jax
 import numpy as np
 
-from loopkit.pytree import is_key, sharding_of
+from loopkit.state.pytree import is_key, sharding_of
 
 __all__ = ["Spare", "Staged", "aval", "copied", "copied_arrays", "swap_leaves", "to_host",
            "views", "views_protect"]

@@ -12,7 +12,7 @@ __all__ = ["main"]
 
 def _plugins(args: argparse.Namespace) -> int:
     from loopkit.config import Config
-    from loopkit.manager import make_plugin_manager
+    from loopkit.plugin.manager import make_plugin_manager
 
     # What a run with a logdir and otherwise default Config uses; a built-in it
     # leaves off says why. (Nothing is written: plugins only start in a session.)
@@ -42,7 +42,7 @@ def _checkpoints(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     import logging
 
-    from loopkit.runner import run
+    from loopkit.process.runner import run
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     command = args.command[1:] if args.command[:1] == ["--"] else args.command

@@ -15,7 +15,7 @@ from typing import Any
 
 import jax
 
-from loopkit.pytree import _first_difference, _short, abstract, leaves_with_paths
+from loopkit.state.pytree import _first_difference, _short, abstract, leaves_with_paths
 
 __all__ = ["RecompileWatch", "check_step_output", "is_jitted"]
 

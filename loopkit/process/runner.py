@@ -9,7 +9,7 @@ count starts again. Between tries the runner waits ``--backoff-secs``, doubled
 after each consecutive failure, at most 10 minutes.
 
 The child learns it runs under the runner from ``LOOPKIT_RUN_STATUS``, a file
-that `train` and `managed_session` write (`loopkit.run_status`). SIGTERM or
+that `train` and `managed_session` write (`loopkit.process.run_status`). SIGTERM or
 SIGINT to the runner goes to the child, which stops cleanly (a final
 checkpoint); the runner then exits with the child's exit code, without a restart.
 Each restart is logged with the child's exit code or signal and the last lines of
@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from loopkit.errors import HANG_EXIT_CODE
-from loopkit.run_status import STATUS_ENV, read_status
+from loopkit.process.run_status import STATUS_ENV, read_status
 
 __all__ = ["FINISHED", "run"]
 

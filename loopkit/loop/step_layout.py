@@ -7,11 +7,11 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import jax
 
-from loopkit.carry import update_all
+from loopkit.loop.carry import update_all
 
 if TYPE_CHECKING:
-    from loopkit.carry import StepCarry
-    from loopkit.step_checks import RecompileWatch
+    from loopkit.loop.carry import StepCarry
+    from loopkit.loop.step_checks import RecompileWatch
 
 __all__ = ["on_cpu_devices", "one_in_flight", "pins", "step_body"]
 

@@ -35,7 +35,7 @@ class CheckpointBackend(Protocol):
         ``like`` may be abstract (`jax.ShapeDtypeStruct` leaves), concrete, or None
         (then the state comes back as nested dicts). Never casts. Raises only for
         data it cannot read (that alone marks a checkpoint corrupt). A leaf whose
-        placement `init` left to XLA is a `loopkit.init_trace.Guessed`; on a mesh its
+        placement `init` left to XLA is a `loopkit.state.init_trace.Guessed`; on a mesh its
         ``sharding`` may be None: `xla_sharding()` gives XLA's choice (compiling
         `init` once), or place it on `mesh` as the run that saved it had it.
         """

@@ -36,16 +36,16 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 
-from loopkit.carry import CarriedMetrics, attach, first_values
-from loopkit.pytree import abstract
-from loopkit.staging import (
+from loopkit.loop.carry import CarriedMetrics, attach, first_values
+from loopkit.state.pytree import abstract
+from loopkit.loop.staging import (
     Spare, Staged, aval, copied, copied_arrays, swap_leaves, to_host, views, views_protect,
 )
-from loopkit.step_checks import RecompileWatch, check_step_output, is_jitted
-from loopkit.step_layout import on_cpu_devices, one_in_flight, pins, step_body
+from loopkit.loop.step_checks import RecompileWatch, check_step_output, is_jitted
+from loopkit.loop.step_layout import on_cpu_devices, one_in_flight, pins, step_body
 
 if TYPE_CHECKING:
-    from loopkit.carry import StepCarry
+    from loopkit.loop.carry import StepCarry
     from loopkit.config import Config
 
 __all__ = ["CompiledStep", "is_jitted"]

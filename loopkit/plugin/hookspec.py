@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING, Any, Mapping
 import pluggy
 
 if TYPE_CHECKING:
-    from loopkit.carry import StepCarry
-    from loopkit.checkpoint import CheckpointBackend, Restored, RollbackRecord
+    from loopkit.loop.carry import StepCarry
+    from loopkit.plugin.backend import CheckpointBackend, Restored, RollbackRecord
     from loopkit.config import Config
-    from loopkit.data import Input, Reader
-    from loopkit.manager import PluginManager
-    from loopkit.session import Session
+    from loopkit.loop.data import Input, Reader
+    from loopkit.plugin.manager import PluginManager
+    from loopkit.plugin.view import SessionView
 
 hookspec = pluggy.HookspecMarker("loopkit")
 hookimpl = pluggy.HookimplMarker("loopkit")
@@ -29,7 +29,7 @@ PyTree = Any
 
 
 @hookspec
-def session_create(session: Session) -> None:
+def session_create(session: SessionView) -> None:
     """The state is ready (recovered or initialised): start services.
 
     Called once per session, after the ready check and before the first step.
@@ -42,7 +42,7 @@ def session_create(session: Session) -> None:
 
 
 @hookspec
-def before_step(session: Session, step: int) -> None:
+def before_step(session: SessionView, step: int) -> None:
     """Called before the step that will make global step ``step + 1``.
 
     On the per-step path: only emitted when some plugin implements it, and only
@@ -54,7 +54,7 @@ def before_step(session: Session, step: int) -> None:
 
 
 @hookspec
-def after_step(session: Session, step: int, metrics: Mapping[str, Any]) -> None:
+def after_step(session: SessionView, step: int, metrics: Mapping[str, Any]) -> None:
     """Called after a step; ``step`` is the new global step.
 
     On the per-step path: only emitted when some plugin implements it. The
@@ -68,7 +68,7 @@ def after_step(session: Session, step: int, metrics: Mapping[str, Any]) -> None:
 
 
 @hookspec
-def on_stop(session: Session, error: BaseException | None) -> None:
+def on_stop(session: SessionView, error: BaseException | None) -> None:
     """Called once at the end of every session, whatever ended it.
 
     Every implementation runs even if one raises. Other plugins' `on_stop` run
@@ -89,12 +89,12 @@ def plugin_registered(plugin: Any, manager: PluginManager) -> None:
     to start pluggy's hook-call monitoring.
 
     :param plugin: the plugin object just registered.
-    :param manager: the session's `loopkit.manager.PluginManager`.
+    :param manager: the session's `loopkit.plugin.manager.PluginManager`.
     """
 
 
 @hookspec
-def step_carry(session: Session) -> StepCarry | None:
+def step_carry(session: SessionView) -> StepCarry | None:
     """Return a `loopkit.StepCarry` to thread through the jitted step, or None.
 
     Called once per session, just before the step function is jitted (after
@@ -144,7 +144,7 @@ def checkpoint_backend_names() -> list[str]:
 
 
 @hookspec(firstresult=True)
-def can_restore(session: Session) -> bool | None:
+def can_restore(session: SessionView) -> bool | None:
     """Whether `restore_state` may find a state to recover; asked once, just before it.
 
     Return False when there is certainly nothing (no checkpoint on disk): a fresh
@@ -159,7 +159,7 @@ def can_restore(session: Session) -> bool | None:
 
 
 @hookspec(firstresult=True)
-def restore_state(session: Session, like: PyTree) -> Restored | None:
+def restore_state(session: SessionView, like: PyTree) -> Restored | None:
     """Recover the training state from the latest checkpoint, if there is one.
 
     Called once at start-up, before any state is materialised. Return a
@@ -169,13 +169,13 @@ def restore_state(session: Session, like: PyTree) -> Restored | None:
 
     :param session: the `loopkit.Session` (its state is not set yet).
     :param like: the abstract state (`jax.ShapeDtypeStruct` leaves) of ``init``; a
-        leaf `init` left to XLA to place is a `loopkit.init_trace.Guessed`, whose
+        leaf `init` left to XLA to place is a `loopkit.state.init_trace.Guessed`, whose
         ``sharding`` may be None (`xla_sharding()` compiles `init` for XLA's choice).
     """
 
 
 @hookspec(firstresult=True)
-def rollback_state(session: Session, before_step: int) -> Restored | None:
+def rollback_state(session: SessionView, before_step: int) -> Restored | None:
     """Read back the newest saved state of a step before `before_step`, mid-run.
 
     Called by the ``nan_guard`` built-in with ``Config.on_guard="rollback"``
@@ -191,7 +191,7 @@ def rollback_state(session: Session, before_step: int) -> Restored | None:
 
 
 @hookspec
-def on_rollback(session: Session, record: RollbackRecord) -> None:
+def on_rollback(session: SessionView, record: RollbackRecord) -> None:
     """After a rollback: the state is restored and the skipped batches recorded.
 
     :param session: the `loopkit.Session`, at the restored step.
@@ -201,11 +201,11 @@ def on_rollback(session: Session, record: RollbackRecord) -> None:
 
 
 @hookspec(firstresult=True)
-def input_reader(session: Session, input: Input) -> Reader | None:
+def input_reader(session: SessionView, input: Input) -> Reader | None:
     """How the loop reads `input` (`train`'s data): batches made ahead, for example.
 
     Called once per session with data, after `session_create`. Return a
-    `loopkit.data.Reader`: ``batches``, the iterator the loop consumes (built
+    `loopkit.loop.data.Reader`: ``batches``, the iterator the loop consumes (built
     from ``input.source``, the user's data opened at the session's step), and
     ``position(step)``, the input position after the batch of global step
     ``step`` as a checkpoint records it (None: read from the source when it is
@@ -214,12 +214,12 @@ def input_reader(session: Session, input: Input) -> Reader | None:
     result.
 
     :param session: the `loopkit.Session`, ready to run.
-    :param input: the `loopkit.data.Input` (``source``, ``kind``, ``start_step``).
+    :param input: the `loopkit.loop.data.Input` (``source``, ``kind``, ``start_step``).
     """
 
 
 @hookspec(firstresult=True)
-def init_state(session: Session, state: PyTree) -> PyTree | None:
+def init_state(session: SessionView, state: PyTree) -> PyTree | None:
     """Return the state a fresh run starts from, given the ``init`` state.
 
     Called only when nothing was restored (the Supervisor's ``init_fn``).
@@ -231,7 +231,7 @@ def init_state(session: Session, state: PyTree) -> PyTree | None:
 
 
 @hookspec
-def local_init(session: Session) -> None:
+def local_init(session: SessionView) -> None:
     """Per-session initialisation, run whether the state was restored or fresh.
 
     Called after restore or init, before the ready check (the Supervisor's

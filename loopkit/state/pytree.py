@@ -1,6 +1,6 @@
 """Pytree helpers: leaf paths as users write them, abstract states, the ready check.
 
-`init`'s abstract state for a restore (traced, not run) is `loopkit.init_trace`'s.
+`init`'s abstract state for a restore (traced, not run) is `loopkit.state.init_trace`'s.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 from loopkit import storage
 from loopkit.errors import LogdirInUseError
-from loopkit.fs import read_json_object
+from loopkit.storage.local import read_json_object
 
 __all__ = ["LOCK_NAME", "LEASE_NAME", "LogdirLock", "renew_secs"]
 

@@ -1,0 +1,1 @@
+"""The state: pytree helpers, tracing `init`, recover-or-initialise."""
