@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import jax
 
 from loopkit.loop.carry import update_all
+from loopkit.state.pytree import sharding_of
 
 if TYPE_CHECKING:
     from loopkit.loop.carry import StepCarry
@@ -42,24 +43,40 @@ def one_in_flight(step: Callable[..., Any]) -> Callable[..., Any]:
 def pins(leaves: Sequence[Any]) -> tuple[Any, ...] | None:
     """Each rewritten leaf's output sharding: its own, on a state spread over devices.
 
-    A state on one device keeps no pins (there is nothing to re-lay out). Leaves
-    that are not committed jax arrays (Python scalars, numpy, uncommitted arrays)
-    are replicated over the mesh of the others.
+    A state on one device keeps no pins (there is nothing to re-lay out), unless a
+    mesh is set (`jax.set_mesh`): there jit returns arrays on the mesh, so a state
+    made outside it would change signature after the first step and compile twice;
+    its leaves are placed on the mesh from the start. Leaves that are not committed
+    jax arrays (Python scalars, numpy, uncommitted arrays) are replicated over the
+    mesh of the others.
     """
     spread = [x.sharding for x in leaves
               if isinstance(x, jax.Array) and len(x.sharding.device_set) > 1]
-    if not spread:
-        return None
     mesh = next((s.mesh for s in spread if isinstance(s, jax.sharding.NamedSharding)), None)
+    if not spread:
+        mesh = _mesh_set(leaves)
+        if mesh is None:
+            return None
     replicated = (jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
                   if mesh is not None else spread[0])
     out = []
     for x in leaves:
         if isinstance(x, jax.Array) and (x.committed or len(x.sharding.device_set) > 1):
-            out.append(x.sharding)
+            out.append(sharding_of(x))  # a typed key's, cut to the key's own rank
         else:
             out.append(replicated)
     return tuple(out)
+
+
+def _mesh_set(leaves: Sequence[Any]) -> Any:
+    """The concrete mesh the user set, when it holds every device of the state, else None."""
+    mesh = jax.sharding.get_mesh()
+    if mesh.empty:
+        return None
+    devices = set(mesh.devices.flat)
+    if any(isinstance(x, jax.Array) and not x.sharding.device_set <= devices for x in leaves):
+        return None
+    return mesh
 
 
 def step_body(fn: Callable[..., Any], carries: tuple[StepCarry, ...], treedef: Any,

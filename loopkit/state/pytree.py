@@ -95,7 +95,10 @@ def abstract(tree: PyTree) -> PyTree:
         if not is_key(dtype) and _unholdable(dtype):
             return x
         if isinstance(x, jax.Array):
-            return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding_of(x),
+            # an uncommitted array (left on the default device) has no sharding to
+            # keep: a restore leaves it uncommitted too, placed as the fresh one was
+            sharding = sharding_of(x) if x.committed else None
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding,
                                         weak_type=bool(getattr(x, "weak_type", False)))
         return jax.ShapeDtypeStruct(shape, dtype, weak_type=type(x) in (int, float, complex))
 

@@ -9,19 +9,27 @@ import textwrap
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 import loopkit
 from loopkit.process.compile_cache import CACHE_NAME
 
 RUN = textwrap.dedent("""
-    import logging, sys, jax, jax.numpy as jnp, loopkit
+    import logging, sys, jax, jax.numpy as jnp, numpy as np, loopkit
     logging.basicConfig(level=logging.WARNING)
     jax.config.update("jax_log_compiles", True)
     def mlp_step(s, b):
         g = jax.grad(lambda w: jnp.mean((jnp.tanh(b @ w) - 1.0) ** 2))(s["w"])
         return {"w": s["w"] - 0.1 * g, "n": s["n"] + 1}, {}
     data = lambda start: (jnp.full((4, 8), 0.1 * i) for i in range(start, 10**6))
-    init = lambda: {"w": jnp.ones((8, 8)) * 0.01, "n": jnp.zeros((), jnp.int32)}
+    make = lambda: {"w": jnp.ones((8, 8)) * 0.01, "n": jnp.zeros((), jnp.int32)}
+    form = sys.argv[4]
+    if form == "a state made under a mesh":
+        jax.set_mesh(jax.make_mesh((1,), ("data",)))
+    init = {"a callable": make, "jax arrays": make,
+            "numpy arrays": lambda: jax.tree.map(np.asarray, make()),
+            "a state made under a mesh": make}[form]
+    init = init if form == "a callable" else init()
     r = loopkit.train(mlp_step, init=init, data=data, logdir=sys.argv[1],
                       max_steps=int(sys.argv[2]), save_model_steps=5, save_model_secs=None,
                       progress=False, autoload=False, **eval(sys.argv[3]))
@@ -29,8 +37,8 @@ RUN = textwrap.dedent("""
 """)
 
 
-def _run(logdir, steps, extra="{}", env=None):
-    proc = subprocess.run([sys.executable, "-c", RUN, str(logdir), str(steps), extra],
+def _run(logdir, steps, extra="{}", env=None, form="a callable"):
+    proc = subprocess.run([sys.executable, "-c", RUN, str(logdir), str(steps), extra, form],
                           capture_output=True, text=True, timeout=240,
                           env={**os.environ, **(env or {})})
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -41,12 +49,14 @@ def _hits(proc) -> list[str]:
     return [x for x in proc.stderr.splitlines() if "Persistent compilation cache hit" in x]
 
 
-def test_a_restart_loads_its_step_from_the_cache_beside_the_run(tmp_path):
+@pytest.mark.parametrize("form", ["a callable", "jax arrays", "numpy arrays",
+                                  "a state made under a mesh"])
+def test_a_restart_loads_its_step_from_the_cache_beside_the_run(tmp_path, form):
     env = {"JAX_COMPILATION_CACHE_DIR": ""}
-    first = _run(tmp_path, 10, env=env)
+    first = _run(tmp_path, 10, env=env, form=form)
     assert (tmp_path / CACHE_NAME).is_dir() and any((tmp_path / CACHE_NAME).iterdir())
     assert not [h for h in _hits(first) if "jit_inner" in h]
-    restarted = _run(tmp_path, 20, env=env)  # resumes at step 10 from the checkpoint
+    restarted = _run(tmp_path, 20, env=env, form=form)  # resumes at step 10 from the checkpoint
     assert "DONE 20" in restarted.stdout
     # the restored state is placed as the fresh one was: the same program, from the cache
     assert [h for h in _hits(restarted) if "jit_inner" in h], restarted.stderr[-3000:]

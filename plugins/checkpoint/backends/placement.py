@@ -161,6 +161,10 @@ def _sharding(like_leaf: Any, layout: Any) -> Any:
     no layout when they no longer hold (`layouts_hold`).
     """
     if not isinstance(like_leaf, Guessed):
+        if isinstance(like_leaf, jax.Array) and not like_leaf.committed:
+            # left on the default device, as the fresh state was: committing it would
+            # give the step another signature than the fresh run's (a cache miss)
+            return None
         return getattr(like_leaf, "sharding", None)
     if layout is None:
         return like_leaf.xla_sharding()
