@@ -17,7 +17,6 @@ if TYPE_CHECKING:
     from loopkit.plugin.backend import CheckpointBackend, Restored, RollbackRecord
     from loopkit.config import Config
     from loopkit.loop.data import Input, Reader
-    from loopkit.plugin.manager import PluginManager
     from loopkit.plugin.view import SessionView
 
 hookspec = pluggy.HookspecMarker("loopkit")
@@ -81,7 +80,7 @@ def on_stop(session: SessionView, error: BaseException | None) -> None:
 
 
 @hookspec(historic=True)
-def plugin_registered(plugin: Any, manager: PluginManager) -> None:
+def plugin_registered(plugin: Any, manager: pluggy.PluginManager) -> None:
     """A plugin was registered with the session's plugin manager.
 
     Historic: a plugin registered later is also called for every plugin
