@@ -530,7 +530,7 @@ def main() -> None:
         block = ratio("orbax async: save() blocks")
         commit = ratio("orbax: committed (durable)")
         restore = ratio("orbax restore")
-        print("\ngoals (issue 4):")
+        print("\ngoals (DESIGN.md, Checkpoints):")
         print(f"  save() blocks <= 5% of raw write+fsync: {100 * block:.1f}%"
               f" {'ok' if block <= 0.05 else 'MISSED'}")
         print(f"  committed within 2x raw write+fsync: {commit:.2f}x"

@@ -198,7 +198,7 @@ def test_input_positions_round_trip_through_json():
         encode_position({"f": object()})
 
 
-# -- issue 25: what a logdir is, and which backend wrote it ---------------------------
+# -- what a logdir is, and which backend wrote it ------------------------------------
 
 
 @pytest.mark.parametrize("name", ["trial-0", "seed-42", "run-3"])

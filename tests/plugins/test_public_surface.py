@@ -288,7 +288,7 @@ def test_only_orbax_s_public_contract_and_no_other_library_s_private_members():
 
 def test_the_rules_catch_what_they_forbid():
     """Each rule fails on the code it was written against (the orbax backend before
-    issue 26) and passes the public way of doing the same."""
+    it kept to orbax's public API) and passes the public way of doing the same."""
     def check(source: str) -> list[str]:
         src = textwrap.dedent(source)
         return _violations([_Module(Path("snippet.py"), src)])
