@@ -64,6 +64,26 @@ class _Layout(NamedTuple):
     pins: tuple[Any, ...] | None  # per rewritten leaf: its pinned sharding (None: none)
 
 
+class Program(NamedTuple):
+    """What the first call builds, once per session: the step in its calling conventions.
+
+    `normal` is the variant the loop calls (donating where allowed; with the frozen
+    leaves bound in front when `bound`); `plain` is the same function donating
+    nothing (for the first call of a session off CPU); `spare` is the CPU variant that
+    writes into a save's given-back buffers (None where there is none).
+    """
+
+    layout: _Layout | None     # None: not traced by loopkit (a step the user jitted, jit off)
+    donating: Any              # the jitted inner, donating `live` where allowed
+    plain: Any                 # its non-donating variant (`donating` itself if none donate)
+    spare: Spare | None
+    bound: bool                # the jitted function takes the frozen leaves first
+    wait_each: bool            # XLA:CPU over several devices: one step in flight at a time
+    firsts: tuple              # the carries' first values
+    batch_avals: tuple         # the first batch's avals (for the spare's compile ahead)
+    unchecked: Any             # the input state's avals when the first output is still unchecked
+
+
 class Phase(enum.Enum):
     """What the compiled step's next call does; `call` is that phase's function."""
 
@@ -78,9 +98,10 @@ class CompiledStep:
 
     `live` is what the step donates: the rewritten leaves (a tuple), paired with the
     carries' values when there are carries (`state` assembles the full state from it);
-    `set_state` replaces the state, split again at the next call. `phase` says what
-    the next call does; `_to` is the one place it changes, and `call` with it (the
-    loop calls `call` directly: no dispatch per step).
+    `set_state` replaces the state, split again at the next call. `program` is what
+    the first call built (None before it). `phase` says what the next call does;
+    `_to` is the one place it changes, and `call` with it (the loop calls `call`
+    directly: no dispatch per step).
     """
 
     def __init__(self, fn: Callable[..., Any], config: Config,
@@ -107,43 +128,45 @@ class CompiledStep:
         #: (the state itself for a step the user jitted)
         self.live: Any = None
         self.frozen: tuple = ()
+        #: what the first call built; None before it
+        self.program: Program | None = None
         self.phase = Phase.ENTER
         self.call: Callable[..., Any] = self._enter
         self._pending: Any = _UNSET  # a state set from outside, split at the next call
-        self._protect = True  # the first call of a session never donates
-        self._layout: _Layout | None = None
-        self._donating: Any = None  # the jitted inner (donating where allowed)
-        self._plain: Any = None     # its non-donating variant, built on demand
-        self._normal: Callable[..., Any] | None = None
+        self._protect = True  # the next call donates none of the current buffers
+        self._ahead = False  # the donating variant compiled before its first use (off CPU)
+        self._normal: Callable[..., Any] | None = None  # the NORMAL phase's call
         self._ended: Callable[..., Any] | None = None  # what calls do after `end`
-        self._ahead = False  # the donating variant compiled (off CPU)
-        self._firsts: tuple = ()
-        self._spare: Spare | None = None  # CPU: the step after a save writes elsewhere
-        self._batch_avals: tuple = ()
-        self._bound = False  # the jitted function takes the frozen leaves first
-        self._unchecked: Any = None  # the input state, until the first output is checked
-        #: XLA:CPU with the state over several devices: one step in flight at a time
-        self._wait_each = False
         attach(carries, self)
+
+    @property
+    def spare(self) -> Spare | None:
+        """The CPU save variant's buffers (None before the first call, or off CPU)."""
+        return None if self.program is None else self.program.spare
+
+    @property
+    def layout(self) -> _Layout | None:
+        return None if self.program is None else self.program.layout
 
     # -- the state ---------------------------------------------------------------------
 
     def set_state(self, state: PyTree) -> None:
         """Take `state` as the current state; it is split at the next call."""
         self._pending = state
-        if self._spare is not None:
-            if self._spare.next is not None:
+        spare = self.spare
+        if spare is not None:
+            if spare.next is not None:
                 # a saver reads the current buffers, which the new state may hold:
                 # the next call donates none of them
                 self._protect = True
-            self._spare.forget()
+            spare.forget()
         self._to(Phase.ENTER)
 
     def state(self) -> PyTree:
         """The current state, assembled from `live` and the frozen leaves."""
         if self._pending is not _UNSET:
             return self._pending
-        layout, live = self._layout, self.live
+        layout, live = self.layout, self.live
         if self.user_jitted or live is None:
             return live
         part = live[0] if self.carries else live
@@ -166,13 +189,14 @@ class CompiledStep:
         self.live = (self.live[0], tuple(new))
 
     def _donated_leaves(self) -> list[Any]:
+        layout = self.layout
         if self._pending is not _UNSET:
             state = self._pending
-            if self._layout is None:
+            if layout is None:
                 return jax.tree.leaves(state)
-            leaves = self._layout.treedef.flatten_up_to(state)
-            return [leaves[i] for i in self._layout.rewritten]
-        if self.user_jitted or self._layout is None:
+            leaves = layout.treedef.flatten_up_to(state)
+            return [leaves[i] for i in layout.rewritten]
+        if self.user_jitted or layout is None:
             return jax.tree.leaves(self.state())
         return list(self.live[0] if self.carries else self.live)
 
@@ -185,8 +209,8 @@ class CompiledStep:
         if not self.donates or self._protect:
             return Staged(state, None)  # the next call donates nothing
         donated = self._donated_leaves()
-        if self._spare is not None:
-            staged = self._stage_in_place(state, tuple(donated), self._spare, ahead)
+        if self.spare is not None:
+            staged = self._stage_in_place(state, tuple(donated), self.spare, ahead)
             if staged is not None:
                 return staged
         return Staged(swap_leaves(state, donated, [to_host(x) for x in donated]), None)
@@ -206,19 +230,23 @@ class CompiledStep:
         # each leaf where it is, committed as it is: the spare variant's signature
         copies = tuple(copied(part))
         if ahead and not spare.compiling:
+            program = self.program
+            assert program is not None
             args = (jax.tree.map(aval, self.live), tuple(aval(x) for x in part),
-                    *self._batch_avals)
-            spare.compile_ahead((jax.tree.map(aval, self.frozen), *args) if self._bound
+                    *program.batch_avals)
+            spare.compile_ahead((jax.tree.map(aval, self.frozen), *args) if program.bound
                                 else args)
         return Staged(swap_leaves(state, part, copies), None, spare.releaser(copies))
 
     def _spare_call(self, live: Any, *batch: Any) -> Any:
         """The step after a save: donates the spare, not `live` (a saver reads it)."""
-        spare = self._spare
-        assert spare is not None and spare.next is not None
+        program = self.program
+        assert program is not None and program.spare is not None
+        spare = program.spare
+        assert spare.next is not None
         into, spare.next = spare.next, None
         try:
-            if self._bound:
+            if program.bound:
                 out = spare.jit(self.frozen, live, into, *batch)
             else:
                 out = spare.jit(live, into, *batch)
@@ -227,23 +255,23 @@ class CompiledStep:
             self.skip_donation_once()
             raise
         self._to(Phase.NORMAL)
-        if self._wait_each:
+        if program.wait_each:
             jax.block_until_ready(out)
         return out
 
     def skip_donation_once(self) -> None:
         """Make the next call donate nothing the current state holds."""
         self._protect = True
-        if self._spare is not None:
-            self._spare.next = None
+        if self.spare is not None:
+            self.spare.next = None
         self._to(Phase.ENTER)
 
     def end(self, ended: Callable[..., Any]) -> None:
         """The session is over: every call now goes to `ended`."""
         self._ended = self._normal = ended
         self._to(Phase.ENDED)
-        if self._spare is not None:
-            self._spare.close()
+        if self.spare is not None:
+            self.spare.close()
 
     def _to(self, phase: Phase) -> None:
         """Make `phase` the next call's; nothing leaves `ENDED`."""
@@ -257,103 +285,100 @@ class CompiledStep:
 
     def _enter(self, live: Any, *batch: Any) -> Any:
         """Split a newly set state (building the step at the first call), then step."""
+        unchecked = None
         if self._pending is not _UNSET:
-            if self._normal is None:
-                self._build(self._pending, batch)
-                if self._spare is not None:
-                    self._batch_avals = tuple(jax.tree.map(aval, batch))
+            if self.program is None:
+                self.program = self._build(self._pending, batch)
+                unchecked = self.program.unchecked
             self.live = self._split(self._pending)
             self._pending = _UNSET
             self._bind()
         live = self.live
-        assert self._normal is not None
+        assert self._normal is not None and self.program is not None
         self._to(Phase.NORMAL)
         if self._protect:
             self._protect = False
             out = self._protected(live, *batch)
-            if self._wait_each:  # `_normal` itself waits; a protected call may not
+            if self.program.wait_each:  # `_normal` itself waits; a protected call may not
                 jax.block_until_ready(out)
         else:
             out = self._normal(live, *batch)
-        if self._unchecked is not None:  # a step not traced by loopkit: its first output
-            like, self._unchecked = self._unchecked, None
-            check_step_output(out, like)
+        if unchecked is not None:  # a step not traced by loopkit: its first output
+            check_step_output(out, unchecked)
         return out
 
-    def _build(self, state: PyTree, batch: tuple) -> None:
+    def _build(self, state: PyTree, batch: tuple) -> Program:
+        """The step's `Program` for this state and the first batch."""
         fn, carries = self.fn, self.carries
-        self._wait_each = on_cpu_devices(jax.tree.leaves(state))
-        if self.user_jitted:
-            self._normal = fn
-            self._unchecked = abstract(state)  # checked on what its first call returns
-            return
-        like_state = like_metrics = None
+        wait_each = on_cpu_devices(jax.tree.leaves(state))
+        if self.user_jitted:  # called as given; checked on what its first call returns
+            return Program(None, fn, fn, None, False, wait_each, (), (), abstract(state))
+        layout = like_state = like_metrics = unchecked = None
         if self.jit:
             closed, out = jax.make_jaxpr(fn, return_shape=True)(state, *batch)
             check_step_output(out, state)
             like_state, like_metrics = out
-            leaves, treedef = jax.tree.flatten(state)  # the same structure as the output
-            n, jaxpr = len(leaves), closed.jaxpr
-            frozen = tuple(i for i in range(n) if jaxpr.outvars[i] is jaxpr.invars[i])
-            rewritten = tuple(i for i in range(n) if i not in set(frozen))
-            self._layout = _Layout(treedef, rewritten, frozen,
-                                   pins([leaves[i] for i in rewritten]))
+            layout = _sorted_leaves(state, closed.jaxpr)
         elif carries:
             out = jax.eval_shape(fn, state, *batch)
             check_step_output(out, state)
             like_state, like_metrics = out
         else:  # checked on what the first call returns (nothing traced twice)
-            self._unchecked = abstract(state)
-        self._firsts = first_values(carries, like_state, like_metrics) if carries else ()
+            unchecked = abstract(state)
+        firsts = first_values(carries, like_state, like_metrics) if carries else ()
         holder = next((c for c in carries if c.metrics_of is not None), None)
         drop = holder is not None and not self.metrics_needed
         if drop:  # the carry holds the latest metrics: no metric arrays out of the step
             self.no_metrics = CarriedMetrics(holder)
-        layout = self._layout
         watch = RecompileWatch(getattr(fn, "__qualname__", repr(fn)))
         inner = step_body(fn, carries, None if layout is None else layout.treedef,
                           layout.rewritten if layout else (), layout.frozen if layout else (),
                           watch, drop)
-
         # With no frozen leaf the jitted function takes `live` alone: the loop then
         # calls it directly, with no argument bound in front (measured: ~0.3 us/step).
-        self._bound = layout is not None and bool(layout.frozen)
-        if not self._bound:
-            fn3 = inner
+        bound = layout is not None and bool(layout.frozen)
+        if not bound:
+            inner = functools.partial(inner, ())
+        donating, plain, spare = self._variants(inner, layout, bound)
+        batch_avals = tuple(jax.tree.map(aval, batch)) if spare is not None else ()
+        return Program(layout, donating, plain, spare, bound, wait_each, firsts, batch_avals,
+                       unchecked)
 
-            def inner(live: Any, *batch: Any) -> Any:  # type: ignore[no-redef]
-                return fn3((), live, *batch)
-
+    def _variants(self, inner: Callable[..., Any], layout: _Layout | None,
+                  bound: bool) -> tuple[Any, Any, Spare | None]:
+        """``(donating, plain, spare)``: `inner` jitted in each calling convention."""
         if not self.jit:
-            self._donating = self._plain = inner
-            return
+            return inner, inner, None
         kw: dict[str, Any] = {}
         if layout is not None and layout.pins is not None:
-            kw["out_shardings"] = ((layout.pins, None) if carries else layout.pins, None)
-        donated = (1 if self._bound else 0) if self.donates else ()
-        self._donating = jax.jit(inner, donate_argnums=donated, **kw)
-        self._plain = jax.jit(inner, **kw) if self.donates else self._donating
+            kw["out_shardings"] = ((layout.pins, None) if self.carries else layout.pins, None)
+        donated = (1 if bound else 0) if self.donates else ()
+        donating = jax.jit(inner, donate_argnums=donated, **kw)
+        plain = jax.jit(inner, **kw) if self.donates else donating
         # one process only: with several, each must run the same executable at a step,
         # and whether a spare is ready differs between them
-        if (self.donates and self.by_views and layout is not None and layout.rewritten
+        if not (self.donates and self.by_views and layout is not None and layout.rewritten
                 and jax.process_count() == 1):
-            body, k = inner, (1 if self._bound else 0)
+            return donating, plain, None
+        k = 1 if bound else 0
 
-            def inner_with_spare(*args: Any) -> Any:  # (frozen,) live, spare, *batch
-                return body(*args[:k + 1], *args[k + 2:])
+        def inner_with_spare(*args: Any) -> Any:  # (frozen,) live, spare, *batch
+            return inner(*args[:k + 1], *args[k + 2:])
 
-            # `spare` is never read: kept (and donated) so that the outputs land in it
-            self._spare = Spare(jax.jit(inner_with_spare, donate_argnums=k + 1,
-                                        keep_unused=True, **kw))
+        # `spare` is never read: kept (and donated) so that the outputs land in it
+        return donating, plain, Spare(jax.jit(inner_with_spare, donate_argnums=k + 1,
+                                              keep_unused=True, **kw))
 
     def _split(self, state: PyTree) -> Any:
         """The state's donated part (and the carries' values), as the next call takes it."""
         if self.user_jitted:
             return state
+        program = self.program
+        assert program is not None
         values = ()
         if self.carries:
-            values = self.live[1] if self.live is not None else self._firsts
-        layout = self._layout
+            values = self.live[1] if self.live is not None else program.firsts
+        layout = program.layout
         if layout is None:
             return (state, values) if self.carries else state
         leaves = layout.treedef.flatten_up_to(state)
@@ -371,16 +396,15 @@ class CompiledStep:
         return (tuple(part), values) if self.carries else tuple(part)
 
     def _bind(self) -> None:
-        if self.user_jitted:
-            normal = self.fn
-        else:
-            normal = (functools.partial(self._donating, self.frozen) if self._bound
-                      else self._donating)
-        self._normal = one_in_flight(normal) if self._wait_each else normal
+        program = self.program
+        assert program is not None
+        normal = (functools.partial(program.donating, self.frozen) if program.bound
+                  else program.donating)
+        self._normal = one_in_flight(normal) if program.wait_each else normal
 
     def _protected(self, live: Any, *batch: Any) -> Any:
         """One call that donates none of `live`'s current buffers."""
-        assert self._normal is not None
+        assert self._normal is not None and self.program is not None
         if not self.donates:
             return self._normal(live, *batch)
         if self.by_views:
@@ -392,8 +416,19 @@ class CompiledStep:
                 return self._normal(live, *batch)
         if self.user_jitted:  # its arrays copied where they are: nothing compiled
             return self._normal(copied_arrays(live), *batch)
-        args = (self.frozen, live, *batch) if self._bound else (live, *batch)
+        program = self.program
+        args = (self.frozen, live, *batch) if program.bound else (live, *batch)
         if not self._ahead:
             self._ahead = True  # the normal variant, compiled before it is first needed
-            self._donating.lower(*args).compile()
-        return self._plain(*args)
+            program.donating.lower(*args).compile()
+        return program.plain(*args)
+
+
+def _sorted_leaves(state: PyTree, jaxpr: Any) -> _Layout:
+    """The state's leaves sorted by what the traced step does with them: those it
+    returns unchanged (the same traced value) are frozen, the others rewritten."""
+    leaves, treedef = jax.tree.flatten(state)  # the same structure as the output
+    n = len(leaves)
+    frozen = tuple(i for i in range(n) if jaxpr.outvars[i] is jaxpr.invars[i])
+    rewritten = tuple(i for i in range(n) if i not in set(frozen))
+    return _Layout(treedef, rewritten, frozen, pins([leaves[i] for i in rewritten]))
