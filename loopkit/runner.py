@@ -15,8 +15,9 @@ The child runs in a session of its own (its own process group), as torch elastic
 starts its workers: a terminal's Ctrl-C reaches the runner only, and the runner
 forwards each SIGINT/SIGTERM it receives once to the child's group, which stops
 cleanly (a final checkpoint); the runner then exits with the child's exit code,
-without a restart. A signal while no child runs (the backoff) ends the runner
-with 128 + the signal's number. Each restart is logged with the step the child
+without a restart (a SIGHUP, a closed terminal, goes to the child as SIGTERM). A
+signal while no child runs (the backoff) ends the runner with 128 + the signal's
+number. Each restart is logged with the step the child
 reached, its exit and the last lines of its stderr, and, for the chief's child
 only, appended to the ledger of the logdir that child held (the `record` callback).
 """
@@ -99,7 +100,9 @@ class _Forwarder:
 
     def handle(self, signum: int, frame: Any) -> None:
         self.received.append(signum)
-        self._pending.append(signum)
+        # a closed terminal hangs up the runner only (the child has no terminal of
+        # its own now): the trainer stops cleanly, as on SIGTERM
+        self._pending.append(signal.SIGTERM if signum == signal.SIGHUP else signum)
         self.forward()
 
     def forward(self) -> None:
@@ -155,7 +158,8 @@ def run(command: Sequence[str], max_restarts: int = 3, max_preemptions: int = 10
                          "loopkit run -- python train.py")
     _check(max_restarts, max_preemptions, backoff_secs)
     forwarder = _Forwarder()
-    previous = {s: signal.signal(s, forwarder.handle) for s in (signal.SIGTERM, signal.SIGINT)}
+    previous = {s: signal.signal(s, forwarder.handle)
+                for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     fd, status_path = tempfile.mkstemp(prefix="loopkit-run-", suffix=".json")
     os.close(fd)
     # one id for this runner's children, kept across restarts (a lease holder with
