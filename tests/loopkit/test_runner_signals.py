@@ -37,14 +37,15 @@ class Runner:
 
     def __init__(self, tmp_path: Path, *args: str, plan: str | None = None,
                  logdir: str = "run", max_steps: int = 10**6, name: str = "plan",
-                 options: tuple[str, ...] = ("--backoff-secs", "0")) -> None:
+                 options: tuple[str, ...] = ("--backoff-secs", "0"),
+                 env: dict[str, str] | None = None) -> None:
         if plan is not None:
             (tmp_path / name).write_text(plan)
             args = (sys.executable, str(WORKER), str(tmp_path / logdir), str(max_steps),
                     str(tmp_path / name), str(tmp_path / f"{name}.npy"))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "loopkit", "run", *options, "--", *args],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**ENV, **(env or {})},
             start_new_session=True)
         _STARTED.append(self.proc)
         self.lines: list[str] = []
@@ -124,7 +125,9 @@ def test_ctrl_c_to_the_runners_group_stops_the_trainer_once_with_a_final_checkpo
 
 
 def test_a_second_ctrl_c_still_aborts_without_a_restart(tmp_path):
-    runner = Runner(tmp_path, plan="sleep 0.5")
+    # a close of 5 s: the second Ctrl-C comes before the run could end by itself (an
+    # abort still runs every on_stop, so longer would only slow the test)
+    runner = Runner(tmp_path, plan="sleep 0.05", env={"STOP_SECS": "5"})
     _wait_for(lambda: (tmp_path / "run" / "checkpoint").exists())
     os.killpg(runner.proc.pid, signal.SIGINT)
     runner.wait_for_line("got SIGINT")  # handled; a second one now is a second Ctrl-C
@@ -132,7 +135,7 @@ def test_a_second_ctrl_c_still_aborts_without_a_restart(tmp_path):
     rc, out, err = runner.finish()
     assert rc != 0 and "KeyboardInterrupt" in err and "DONE" not in out
     assert "stopped by SIGINT" in err  # the runner's line: no restart
-    assert (tmp_path / "plan.starts").read_text().splitlines() == ["sleep 0.5"]
+    assert (tmp_path / "plan.starts").read_text().splitlines() == ["sleep 0.05"]
 
 
 def test_a_signal_during_the_backoff_ends_the_runner_without_another_child(tmp_path):
