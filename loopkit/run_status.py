@@ -26,7 +26,7 @@ from typing import Any
 
 from loopkit.fs import atomic_write_bytes, read_json_object
 
-__all__ = ["RUN_ID_ENV", "STATUS_ENV", "checkpoint_committed", "read_status",
+__all__ = ["RUN_ID_ENV", "STATUS_ENV", "checkpoint_committed", "error_fields", "read_status",
            "update_status", "write_status"]
 
 STATUS_ENV = "LOOPKIT_RUN_STATUS"
@@ -63,6 +63,11 @@ def checkpoint_committed(step: int) -> None:
         reached = max(step, _int(old.get("step")) or 0)
         committed = max(step, _int(old.get("committed")) or 0)
         _put(path, {**old, "step": reached, "committed": committed})
+
+
+def error_fields(error: BaseException | None) -> dict[str, str]:
+    """The status fields that name what failed a session (none after a clean stop)."""
+    return {} if error is None else {"error_type": type(error).__name__, "error": str(error)}
 
 
 def read_status(path: str) -> dict[str, Any] | None:

@@ -23,7 +23,7 @@ from loopkit.coordinator import (
 from loopkit.data import Lookahead, make_input
 from loopkit.logdir_lock import LogdirLock
 from loopkit.opening import recover_or_init
-from loopkit.run_status import update_status, write_status
+from loopkit.run_status import error_fields, update_status, write_status
 from loopkit.scheduler import (
     RunningAction, Scheduler, Timer, agree_across_processes, noted,
 )
@@ -369,10 +369,8 @@ class Session:
                     self._lock.release()
                     self._lock = None
             failed = error is not None or bool(stop_errors)
-            failure = error if error is not None else (stop_errors[0] if stop_errors else None)
             update_status(stop_reason="error" if failed else coord.reason, step=self.step,
-                          **({"error_type": type(failure).__name__, "error": str(failure)}
-                             if failure is not None else {}))
+                          **error_fields(error or (stop_errors or [None])[0]))
         finally:
             # last, once everything durable is written (a preemption's SIGKILL may come):
             # a compile of the save variant still under way, then the cache it writes to
