@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import queue
 import signal
 import threading
 import time
 from typing import Any, Callable, Iterator
 
-__all__ = ["Coordinator", "LooperThread", "SignalHandlers"]
+__all__ = ["Coordinator", "LooperThread", "SignalHandlers", "StopEvent"]
 
 log = logging.getLogger("loopkit")
 
@@ -44,6 +46,39 @@ def raise_stop_errors(error: BaseException | None, stop_errors: list[BaseExcepti
     raise first
 
 
+class StopEvent:
+    """A one-way event that a signal handler may set.
+
+    `threading.Event.set` takes a lock that the interrupted thread may hold (inside
+    its own `set` or `wait`): a signal there would deadlock. `queue.SimpleQueue.put`
+    is reentrant (CPython documents it as safe from `__del__`, which runs between
+    bytecodes as a signal handler does), so setting puts a token and each waiter
+    that takes it puts it back for the next.
+    """
+
+    def __init__(self) -> None:
+        self._set = False
+        self._tokens: queue.SimpleQueue[None] = queue.SimpleQueue()
+
+    def set(self) -> None:
+        if not self._set:
+            self._set = True
+            self._tokens.put(None)
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if self._set:
+            return True
+        try:
+            self._tokens.get(timeout=timeout)
+        except queue.Empty:
+            return self._set
+        self._tokens.put(None)  # wake the next waiter too
+        return True
+
+
 class Coordinator:
     """Stops every thread of a session cleanly and keeps the error that stopped it.
 
@@ -54,7 +89,8 @@ class Coordinator:
 
     def __init__(self) -> None:
         self.stopped = False  # read on the per-step path: a plain attribute
-        self.reason: str | None = None
+        self._reason: str | None = None
+        self._signalled = False  # a signal asked for the stop (`stop_on_signal`)
         #: a stop signal waiting for the processes to agree (multi-process runs)
         self.signal_pending = False
         #: multi-process runs: stops wait for the processes' agreement (set by the Supervisor)
@@ -62,13 +98,31 @@ class Coordinator:
         #: a background thread's error waiting for that agreement
         self.error_pending: BaseException | None = None
         self.exception: BaseException | None = None
-        self._event = threading.Event()
+        self._event = StopEvent()
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
+
+    @property
+    def reason(self) -> str | None:
+        """Why the stop came: the first reason asked for (a signal counts first)."""
+        if self._reason is None and self._signalled:
+            return "signal"
+        return self._reason
 
     def should_stop(self) -> bool:
         """True once a stop was requested."""
         return self.stopped
+
+    def stop_on_signal(self) -> None:
+        """Stop with reason "signal"; what a signal handler calls.
+
+        Sets flags and the event only: the handler interrupts a thread that may
+        hold `request_stop`'s lock (`close`, the max-steps callback), so taking it
+        here could deadlock. The next `request_stop` keeps "signal" as the reason.
+        """
+        self._signalled = True
+        self.stopped = True
+        self._event.set()
 
     def request_stop(self, ex: BaseException | None = None, reason: str = "requested",
                      agreed: bool = False) -> None:
@@ -89,8 +143,8 @@ class Coordinator:
                 reason = "error"
                 if self.exception is None:
                     self.exception = ex
-            if self.reason is None:
-                self.reason = reason
+            if self._reason is None:
+                self._reason = "signal" if self._signalled else reason
             self.stopped = True
             self._event.set()
 
@@ -172,16 +226,25 @@ class SignalHandlers:
     waits for the processes to agree on a step (`Coordinator.signal_pending`),
     so none is left in a collective the others skipped. Installed only in the
     main thread; `restore()` puts the previous handlers back.
+
+    The handler runs in the main thread wherever it was interrupted (a save, the
+    close, JAX's backend start-up), so it only sets flags and the event: no lock,
+    no logging (a buffered stream interrupted mid-write refuses a reentrant
+    write), no JAX call. Its one line goes to stderr's descriptor directly.
     """
 
     def __init__(self, coord: Coordinator) -> None:
         self.coord = coord
         self._saved: dict[int, Any] = {}
         self._seen = 0
+        self._many = False
 
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             return
+        import jax
+
+        self._many = jax.process_count() > 1  # asked now: the handler calls no JAX
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(ValueError, OSError):  # not the main interpreter
                 self._saved[sig] = signal.signal(sig, self._handle)
@@ -192,19 +255,17 @@ class SignalHandlers:
         self._saved.clear()
 
     def _handle(self, signum: int, frame: Any) -> None:
-        import jax
-
         self._seen += 1
         if self._seen > 1:
             self.restore()
             raise KeyboardInterrupt
-        log.warning(
-            "loopkit: got %s, stopping after the current step%s",
-            signal.Signals(signum).name,
-            " (press Ctrl-C again to abort)" if signum == signal.SIGINT else
-            " (a second signal aborts)",
-        )
-        if jax.process_count() > 1:
+        name = signal.Signals(signum).name
+        again = ("press Ctrl-C again to abort" if signum == signal.SIGINT
+                 else "a second signal aborts")
+        with contextlib.suppress(OSError):  # no stderr: the stop matters, not the line
+            os.write(2, f"loopkit: got {name}, stopping after the current step "
+                        f"({again})\n".encode())
+        if self._many:
             self.coord.signal_pending = True
         else:
-            self.coord.request_stop(reason="signal")
+            self.coord.stop_on_signal()

@@ -22,7 +22,7 @@ from loopkit.loop.coordinator import (
 from loopkit.loop.data import Lookahead, make_input
 from loopkit.process.logdir_lock import LogdirLock
 from loopkit.state.opening import recover_or_init
-from loopkit.process.run_status import write_status
+from loopkit.process.run_status import error_fields, update_status, write_status
 from loopkit.loop.scheduler import (
     RunningAction, Scheduler, Timer, agree_across_processes, noted,
 )
@@ -93,7 +93,6 @@ class Session:
         self._host_of: Any = None
         self._lock: LogdirLock | None = None  # the chief's claim on the logdir
         self._uncache: Callable[[], None] | None = None  # gives JAX's cache settings back
-        self._start_step = 0  # the step the session opened at (`loopkit run` reads it)
 
     # -- the per-step path -----------------------------------------------------------
 
@@ -296,6 +295,9 @@ class Session:
         if self.logdir is not None and self.is_chief:  # one run per logdir
             self._lock = LogdirLock(self.logdir, on_lost=self.coord.request_stop)
             self._lock.acquire()
+        # `loopkit run` learns whose child this is (only the chief's records restarts)
+        write_status(stop_reason=None, logdir=self.logdir, process_index=jax.process_index(),
+                     is_chief=self.is_chief)
         self._uncache = use_compilation_cache(self.config.compilation_cache, self.logdir)
         restored = recover_or_init(self, init)  # the state, restored or fresh, checked
         if data is not None:
@@ -316,9 +318,7 @@ class Session:
             reader = hook.input_reader(session=self, input=self.input)
             if reader is not None:
                 self.input.read_with(reader)
-        self._start_step = self.step
-        write_status(stop_reason=None, step=self.step, start_step=self.step,
-                     logdir=self.logdir)
+        update_status(step=self.step, start_step=self.step)
 
     def _arm_stops(self) -> None:
         coord, max_steps = self.coord, self.config.max_steps
@@ -354,8 +354,8 @@ class Session:
                     self._lock.release()
                     self._lock = None
             failed = error is not None or bool(stop_errors)
-            write_status(stop_reason="error" if failed else coord.reason, step=self.step,
-                         start_step=self._start_step, logdir=self.logdir)
+            update_status(stop_reason="error" if failed else coord.reason, step=self.step,
+                          **error_fields(error or (stop_errors or [None])[0]))
         finally:
             # last, once everything durable is written (a preemption's SIGKILL may come):
             # a compile of the save variant still under way, then the cache it writes to

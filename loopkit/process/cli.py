@@ -72,26 +72,76 @@ def _goodput(args: argparse.Namespace) -> int:
     return 0
 
 
+def _count(text: str) -> int:
+    """An argparse type: a whole number, 0 or more (a budget)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text} is negative: give 0 or more")
+    return value
+
+
+def _secs(text: str) -> float:
+    """An argparse type: seconds, 0 or more (NaN refused)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value >= 0:  # NaN fails this too
+        raise argparse.ArgumentTypeError(f"{text} seconds: give 0 or more")
+    return value
+
+
+_RUN_HELP = """Run a training command and restart it until it finishes. A crash, a hang (the
+watchdog's exit 75) or a death by a signal is a failure, budgeted by
+--max-restarts; a clean stop on a signal aimed at the trainer alone is a
+preemption, budgeted by --max-preemptions. A child that committed a checkpoint
+past the step it started at made progress: the failure count starts again and the
+restart comes at once; otherwise the wait doubles from --backoff-secs per failure,
+up to 10 minutes. The child runs in a process group of its own: Ctrl-C or SIGTERM
+to the runner reaches it once, it stops with a final checkpoint and the runner
+exits with its exit code. A child refused the logdir (another run holds it) is not
+restarted (exit 1). The children get LOOPKIT_RUN_ID (kept across restarts) and
+LOOPKIT_RUN_STATUS (the file where the session tells the runner how far it got)."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="loopkit", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("plugins", help="list the plugins a run would use, and their hooks")
+    p = sub.add_parser(
+        "plugins", help="list the plugins a run would use, and their hooks",
+        description="List the plugins a run with a logdir and an otherwise default Config "
+                    "would use (built-in, from an entry point, or left off and why), each "
+                    "with the hooks it implements. Nothing is started or written.")
     p.set_defaults(func=_plugins)
-    c = sub.add_parser("checkpoints", help="list the checkpoints in LOGDIR")
+    c = sub.add_parser(
+        "checkpoints", help="list the checkpoints in LOGDIR",
+        description="List the checkpoints in LOGDIR (a path or a URL): their steps, "
+                    "tiers, sizes and times, the newest last; exit 1 when there are none.")
     c.add_argument("logdir")
     c.set_defaults(func=_checkpoints)
-    g = sub.add_parser("goodput", help="where LOGDIR's wall time went: goodput and badput "
-                                       "by cause, from its ledger")
+    g = sub.add_parser(
+        "goodput", help="where LOGDIR's wall time went: goodput and badput by cause, "
+                        "from its ledger",
+        description="Read LOGDIR's ledger (goodput.jsonl) and print where the run's wall "
+                    "time went: the productive fraction, badput by cause (start-up, "
+                    "restore, compile, recompute, checkpoints, input, timers, downtime, "
+                    "hangs), the sessions, interruptions and rollbacks, the mean time "
+                    "between interruptions and the measured cost of a save.")
     g.add_argument("logdir")
     g.set_defaults(func=_goodput)
     r = sub.add_parser("run", help="run a training command, restarting it after a failure "
-                                   "or a preemption until it finishes")
-    r.add_argument("--max-restarts", type=int, default=3,
+                                   "or a preemption until it finishes",
+                       description=_RUN_HELP)
+    r.add_argument("--max-restarts", type=_count, default=3,
                    help="consecutive failures (crash, hang) tolerated (default 3)")
-    r.add_argument("--max-preemptions", type=int, default=100,
+    r.add_argument("--max-preemptions", type=_count, default=100,
                    help="preemptions tolerated (default 100)")
-    r.add_argument("--backoff-secs", type=float, default=10.0,
-                   help="wait before a restart, doubled per consecutive failure (default 10)")
+    r.add_argument("--backoff-secs", type=_secs, default=1.0,
+                   help="wait before a restart after a failure without progress, doubled "
+                        "per consecutive one, at most 10 minutes (default 1)")
     r.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ...")
     r.set_defaults(func=_run)
     args = parser.parse_args(argv)

@@ -3,23 +3,30 @@
 A crash (a non-zero exit, death by a signal, `HANG_EXIT_CODE`) is a *failure*,
 budgeted by ``--max-restarts``; a clean stop on a signal that the child received
 but the runner did not (a preemption aimed at the trainer) is a *preemption*,
-budgeted apart by ``--max-preemptions``, as Levanter counts them. A child that
-trained past the step it started at before failing made progress: the failure
-count starts again. Between tries the runner waits ``--backoff-secs``, doubled
-after each consecutive failure, at most 10 minutes.
+budgeted apart by ``--max-preemptions``, as Levanter counts them. The runner
+judges its own child from its status file (`loopkit.process.run_status`): a child that
+committed a checkpoint past the step it started at made progress, the failure
+count starts again and the restart comes at once; otherwise the runner waits
+``--backoff-secs``, doubled after each consecutive failure without progress, at
+most 10 minutes. A child refused by `LogdirInUseError` (another live run holds the
+logdir) is not restarted: the runner exits 1.
 
-The child learns it runs under the runner from ``LOOPKIT_RUN_STATUS``, a file
-that `train` and `managed_session` write (`loopkit.process.run_status`). SIGTERM or
-SIGINT to the runner goes to the child, which stops cleanly (a final
-checkpoint); the runner then exits with the child's exit code, without a restart.
-Each restart is logged with the child's exit code or signal and the last lines of
-its stderr, and appended to ``logdir/goodput.jsonl`` (the `record` callback).
+The child runs in a session of its own (its own process group), as torch elastic
+starts its workers: a terminal's Ctrl-C reaches the runner only, and the runner
+forwards each SIGINT/SIGTERM it receives once to the child's group, which stops
+cleanly (a final checkpoint); the runner then exits with the child's exit code,
+without a restart (a SIGHUP, a closed terminal, goes to the child as SIGTERM). A
+signal while no child runs (the backoff) ends the runner with 128 + the signal's
+number. Each restart is logged with the step the child
+reached, its exit and the last lines of its stderr, and, for the chief's child
+only, appended to the ledger of the logdir that child held (the `record` callback).
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -27,11 +34,12 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from loopkit.errors import HANG_EXIT_CODE
-from loopkit.process.run_status import STATUS_ENV, read_status
+from loopkit.process.run_status import RUN_ID_ENV, STATUS_ENV, read_status
 
 __all__ = ["FINISHED", "run"]
 
@@ -42,13 +50,17 @@ FINISHED = ("max_steps", "data_exhausted", "requested")
 MAX_BACKOFF_SECS = 600.0
 _TAIL = 20  # lines of the child's stderr kept for the log
 
+#: what records a restart in the run's ledger: (logdir, kind, exit code, signal, step)
+RestartRecorder = Callable[[Any, str, "int | None", "int | None", "int | None"], None]
+
 
 class _Child:
-    """One try: the child process, its stderr passed through (last lines kept)."""
+    """One try: the child in a session of its own, its stderr passed through (last
+    lines kept)."""
 
-    def __init__(self, command: Sequence[str], status_path: str) -> None:
-        env = {**os.environ, STATUS_ENV: status_path}
-        self.proc = subprocess.Popen(list(command), env=env, stderr=subprocess.PIPE)
+    def __init__(self, command: Sequence[str], env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen(list(command), env=env, stderr=subprocess.PIPE,
+                                     start_new_session=True)
         self.tail: collections.deque[str] = collections.deque(maxlen=_TAIL)
         self._tee = threading.Thread(target=self._pass_stderr, daemon=True,
                                      name="loopkit-run-stderr")
@@ -61,10 +73,46 @@ class _Child:
             sys.stderr.buffer.flush()
             self.tail.append(raw.decode(errors="replace").rstrip("\n"))
 
+    def signal(self, signum: int) -> None:
+        try:
+            os.killpg(self.proc.pid, signum)
+        except (ProcessLookupError, PermissionError):  # the group has ended
+            pass
+
     def wait(self) -> int:
         rc = self.proc.wait()
         self._tee.join(timeout=5)
         return rc
+
+
+class _Forwarder:
+    """The runner's SIGINT/SIGTERM handler: each signal goes to the running child's
+    group exactly once.
+
+    The handler and the main loop both call `forward`; `list.pop` is one call
+    that a handler cannot split, so no signal is sent twice or lost.
+    """
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self.child: _Child | None = None
+        self._pending: list[int] = []
+
+    def handle(self, signum: int, frame: Any) -> None:
+        self.received.append(signum)
+        # a closed terminal hangs up the runner only (the child has no terminal of
+        # its own now): the trainer stops cleanly, as on SIGTERM
+        self._pending.append(signal.SIGTERM if signum == signal.SIGHUP else signum)
+        self.forward()
+
+    def forward(self) -> None:
+        child = self.child
+        while child is not None:
+            try:
+                signum = self._pending.pop(0)
+            except IndexError:
+                return
+            child.signal(signum)
 
 
 def _describe(rc: int) -> str:
@@ -83,94 +131,146 @@ def _exit_code(rc: int) -> int:
     return 128 - rc if rc < 0 else rc
 
 
-#: what records a restart in the run's ledger: (logdir, kind, exit code, signal, step)
-RestartRecorder = Callable[[Any, str, "int | None", "int | None", "int | None"], None]
+def _progressed(status: dict[str, Any]) -> bool:
+    """Whether the child committed a checkpoint past the step it started at (its own
+    status file says so: never a checkpoint another run wrote)."""
+    committed, start = status.get("committed"), status.get("start_step")
+    return isinstance(committed, int) and isinstance(start, int) and committed > start
 
 
-def _progressed(status: dict[str, Any] | None) -> bool:
-    """Whether the child committed a checkpoint past the step it started at."""
-    if not status or not status.get("logdir"):
-        return False
-    import loopkit  # its public helper, as a user's script would call it
-
-    try:
-        found = loopkit.latest_checkpoint(status["logdir"])
-    except Exception:  # noqa: BLE001 - unreadable: count it as no progress
-        return False
-    return found is not None and found[0] > int(status.get("start_step") or 0)
+def _check(max_restarts: int, max_preemptions: int, backoff_secs: float) -> None:
+    for name, value in (("max_restarts", max_restarts), ("max_preemptions", max_preemptions),
+                        ("backoff_secs", backoff_secs)):
+        if math.isnan(value) or value < 0:
+            raise ValueError(f"loopkit run: {name}={value!r}: give 0 or more")
 
 
 def run(command: Sequence[str], max_restarts: int = 3, max_preemptions: int = 100,
-        backoff_secs: float = 10.0, record: RestartRecorder | None = None) -> int:
+        backoff_secs: float = 1.0, record: RestartRecorder | None = None) -> int:
     """Run `command` until it finishes or a budget runs out; return the exit code.
 
     `record` (the goodput plugin's, from ``loopkit run``) writes each restart to
-    the ledger of the logdir the child named.
+    the ledger of the logdir the chief's child held. A command that cannot be
+    started returns 127 (not found) or 126, as a shell does, with one line.
     """
     if not command:
         raise ValueError("loopkit run needs a command after --, e.g. "
                          "loopkit run -- python train.py")
-    failures = preemptions = 0
-    received: list[int] = []
-    child: _Child | None = None
-
-    def forward(signum: int, frame: Any) -> None:
-        received.append(signum)
-        if child is not None and child.proc.poll() is None:
-            child.proc.send_signal(signum)
-
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    _check(max_restarts, max_preemptions, backoff_secs)
+    forwarder = _Forwarder()
+    previous = {s: signal.signal(s, forwarder.handle)
+                for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     fd, status_path = tempfile.mkstemp(prefix="loopkit-run-", suffix=".json")
     os.close(fd)
+    # one id for this runner's children, kept across restarts (a lease holder with
+    # the same id is this job's own earlier child)
+    env = {**os.environ, STATUS_ENV: status_path,
+           RUN_ID_ENV: os.environ.get(RUN_ID_ENV) or uuid.uuid4().hex}
     try:
-        while True:
-            Path(status_path).write_bytes(b"")
-            child = _Child(command, status_path)
-            rc = child.wait()
-            status = read_status(status_path)
-            reason = (status or {}).get("stop_reason")
-            if received:  # the runner was told to stop: no restart
-                log.warning("loopkit run: stopped by %s; the child ended with %s",
-                            signal.Signals(received[0]).name, _describe(rc))
-                return _exit_code(rc)
-            if rc == 0 and (status is None or reason in FINISHED):
-                return 0
-            preempted = rc == 0 and reason == "signal"
-            if preempted:
-                preemptions += 1
-                kind, wait = "preemption", backoff_secs
-            else:
-                failures = 1 if _progressed(status) else failures + 1
-                kind = "failure"
-                wait = min(backoff_secs * 2 ** (failures - 1), MAX_BACKOFF_SECS)
-            if record is not None and (status or {}).get("logdir"):
-                try:
-                    record((status or {})["logdir"], kind, rc if rc >= 0 else None,
-                           -rc if rc < 0 else None, (status or {}).get("step"))
-                except Exception:  # noqa: BLE001 - the restart matters more than its record
-                    log.exception("loopkit run: could not record the restart in the ledger")
-            last = "\n".join(f"    {line}" for line in list(child.tail)[-10:])
-            if preempted and preemptions > max_preemptions:
-                log.error("loopkit run: out of budget: %d preemptions, more than "
-                          "--max-preemptions=%d", preemptions, max_preemptions)
-                return _exit_code(rc)
-            if not preempted and failures > max_restarts:
-                log.error("loopkit run: out of budget: %d consecutive failures, more than "
-                          "--max-restarts=%d; the last one: %s\n%s", failures, max_restarts,
-                          _describe(rc), last)
-                return _exit_code(rc)
-            log.warning("loopkit run: the child %s (%s, step %s); restarting in %.0f s "
-                        "(failures %d/%d, preemptions %d/%d)%s",
-                        "was preempted" if preempted else "failed", _describe(rc),
-                        (status or {}).get("step"), wait, failures, max_restarts,
-                        preemptions, max_preemptions,
-                        f"; its last lines:\n{last}" if last and not preempted else "")
-            deadline = time.monotonic() + wait
-            while time.monotonic() < deadline and not received:
-                time.sleep(min(0.1, wait))
-            if received:
-                return _exit_code(rc)
+        return _Tries(command, env, forwarder, max_restarts, max_preemptions,
+                      backoff_secs, record).loop(status_path)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
         os.unlink(status_path)
+
+
+class _Tries:
+    """The runner's loop: start a child, judge how it ended, restart or stop."""
+
+    def __init__(self, command: Sequence[str], env: dict[str, str], forwarder: _Forwarder,
+                 max_restarts: int, max_preemptions: int, backoff_secs: float,
+                 record: RestartRecorder | None) -> None:
+        self.command, self.env, self.forwarder = command, env, forwarder
+        self.max_restarts, self.max_preemptions = max_restarts, max_preemptions
+        self.backoff_secs, self.record = backoff_secs, record
+        self.failures = self.preemptions = 0
+        self.streak = 0  # consecutive failures without progress: the backoff doubles
+
+    def loop(self, status_path: str) -> int:
+        while True:
+            Path(status_path).write_bytes(b"")
+            if self.forwarder.received:  # a signal while no child ran: no further child
+                return self._stopped_between(self.forwarder.received[0])
+            try:
+                child = _Child(self.command, self.env)
+            except OSError as e:
+                return _cannot_start(self.command[0], e)
+            self.forwarder.child = child
+            self.forwarder.forward()  # a signal that came while it was starting
+            rc = child.wait()
+            self.forwarder.child = None
+            status = read_status(status_path) or {}
+            if self.forwarder.received:  # the runner was told to stop: no restart
+                log.warning("loopkit run: stopped by %s; the child ended with %s",
+                            signal.Signals(self.forwarder.received[0]).name, _describe(rc))
+                return _exit_code(rc)
+            code, wait = self._judge(rc, status, child)
+            if code is not None:
+                return code
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline and not self.forwarder.received:
+                time.sleep(min(0.1, wait))  # a signal ends the sleep early
+
+    def _stopped_between(self, signum: int) -> int:
+        log.warning("loopkit run: stopped by %s between two tries; no further child starts",
+                    signal.Signals(signum).name)
+        return 128 + signum
+
+    def _judge(self, rc: int, status: dict[str, Any], child: _Child) -> tuple[int | None, float]:
+        """How the try ended: the runner's exit code, or None and the seconds to wait
+        before the restart."""
+        reason = status.get("stop_reason")
+        if status.get("error_type") == "LogdirInUseError":
+            log.error("loopkit run: not restarting: the child was refused the logdir "
+                      "(another live run uses it): %s", status.get("error"))
+            return 1, 0.0
+        if rc == 0 and (not status or reason in FINISHED):
+            return 0, 0.0
+        progressed, preempted = _progressed(status), rc == 0 and reason == "signal"
+        if preempted:
+            self.preemptions += 1
+            wait = 0.0 if progressed else self.backoff_secs
+        else:
+            self.failures = 1 if progressed else self.failures + 1
+            self.streak = 0 if progressed else self.streak + 1
+            wait = (0.0 if progressed else
+                    min(self.backoff_secs * 2.0 ** (self.streak - 1), MAX_BACKOFF_SECS))
+        kind = "preemption" if preempted else "failure"
+        self._record(status, kind, rc)
+        last = "\n".join(f"    {line}" for line in list(child.tail)[-10:])
+        if preempted and self.preemptions > self.max_preemptions:
+            log.error("loopkit run: out of budget: %d preemptions, more than "
+                      "--max-preemptions=%d", self.preemptions, self.max_preemptions)
+            return _exit_code(rc), 0.0
+        if not preempted and self.failures > self.max_restarts:
+            log.error("loopkit run: out of budget: %d consecutive failures, more than "
+                      "--max-restarts=%d; the last one: %s\n%s", self.failures,
+                      self.max_restarts, _describe(rc), last)
+            return _exit_code(rc), 0.0
+        log.warning("loopkit run: the child %s (%s) at step %s (it started at step %s); "
+                    "restarting %s (failures %d/%d, preemptions %d/%d)%s",
+                    "was preempted" if preempted else "failed", _describe(rc),
+                    status.get("step"), status.get("start_step"),
+                    f"in {wait:.0f} s" if wait else "at once", self.failures,
+                    self.max_restarts, self.preemptions, self.max_preemptions,
+                    f"; its last lines:\n{last}" if last and not preempted else "")
+        return None, wait
+
+    def _record(self, status: dict[str, Any], kind: str, rc: int) -> None:
+        """The chief's child's restart, in the ledger of the logdir that child held."""
+        logdir = status.get("logdir")
+        if self.record is None or not logdir or status.get("is_chief") is not True:
+            return
+        try:
+            self.record(logdir, kind, rc if rc >= 0 else None, -rc if rc < 0 else None,
+                        status.get("step"))
+        except Exception:  # noqa: BLE001 - the restart matters more than its record
+            log.exception("loopkit run: could not record the restart in the ledger")
+
+
+def _cannot_start(program: str, e: OSError) -> int:
+    """A shell's answer to a command it cannot run: 127 not found, 126 otherwise."""
+    what = "not found" if isinstance(e, FileNotFoundError) else (e.strerror or str(e)).lower()
+    print(f"loopkit run: cannot run {program!r}: {what}", file=sys.stderr, flush=True)
+    return 127 if isinstance(e, FileNotFoundError) else 126

@@ -21,6 +21,7 @@ from loopkit.errors import CheckpointError
 from loopkit.plugins.checkpoint.retention import Ledger
 from loopkit.plugins.checkpoint.tf_file import CheckpointState, checkpoint_path
 from loopkit.plugins.goodput.ledger import SaveTimes, SaveTiming
+from loopkit.process.run_status import checkpoint_committed
 
 __all__ = ["Beside", "Commit", "SharedHold", "Tier"]
 
@@ -208,6 +209,7 @@ class Tier:
         if self.writes(session):
             for old in self.ledger.publish(step, timestamp):
                 self.backend.delete(old)
+        checkpoint_committed(step)  # `loopkit run` counts its child's progress from it
 
     def _failed(self, session: Any, step: int, ex: BaseException) -> None:
         add_note(ex, f"raised in loopkit plugin 'checkpoint' while committing {self.path(step)}")

@@ -5,7 +5,8 @@
 PLAN_FILE holds one line per attempt, consumed in order (the first line is removed at
 each start): "crash N" SIGKILLs the process after step N, "hang N" blocks the data
 reader at batch N (the watchdog ends it), "slow-timer" runs a timer action that never
-returns, "sleep S" sleeps S seconds per step, "ok" trains to MAX_STEPS. Every start
+returns, "sleep S" sleeps S seconds per step, "ok" trains to MAX_STEPS. STOP_SECS in the
+environment makes the close that long. Every start
 appends a line to PLAN_FILE.starts. The final state goes to OUT (npy).
 """
 
@@ -59,6 +60,10 @@ class Plan:
             os.kill(os.getpid(), signal.SIGKILL)
         if plan[0] == "sleep":
             time.sleep(float(plan[1]))
+
+    @loopkit.hookimpl
+    def on_stop(self):
+        time.sleep(float(os.environ.get("STOP_SECS", "0")))  # a slow close
 
 
 r = loopkit.train(step, init=lambda: {"w": jnp.ones(4), "n": jnp.zeros((), jnp.int32)},
