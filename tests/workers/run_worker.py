@@ -4,9 +4,10 @@
 
 PLAN_FILE holds one line per attempt, consumed in order (the first line is removed at
 each start): "crash N" SIGKILLs the process after step N, "hang N" blocks the data
-reader at batch N (the watchdog ends it; "hang 0" blocks before the first batch), "slow-timer" runs a timer action that never
-returns, "sleep S" sleeps S seconds per step, "ok" trains to MAX_STEPS. Every start
-appends a line to PLAN_FILE.starts. The final state goes to OUT (npy).
+reader at batch N (the watchdog ends it; "hang 0": before the first batch),
+"slow-timer" runs a timer action that never returns, "sleep S" sleeps S seconds per
+step, "ok" trains to MAX_STEPS. Every start appends a line to PLAN_FILE.starts. The
+final state goes to OUT (npy).
 Environment: HANG_SECS and STARTUP_SECS set Config.hang_timeout_secs and
 startup_timeout_secs; BLOCK_REPORT=1 makes every write under logdir/hangs, and the goodput
 ledger's record of a hang, block for ever.
