@@ -204,6 +204,7 @@ class Config:
     progress_secs: float = _field(10, _secs(False, ">"))
     compilation_cache: bool = _field(True, _bool)
     hang_timeout_secs: float | None = _field(None, _secs(True, ">"))
+    startup_timeout_secs: float | None = _field(None, _secs(True, ">"))
     spike_threshold: float | None = _field(None, _number("a number", ">", 1, True))
     spike_window: int = _field(100, _count(2, False))
     on_guard: str = _field("raise", _choice("raise", "rollback"))
@@ -223,6 +224,10 @@ class Config:
             if self.nan_guard is None and getattr(self, name) != _DEFAULTS[name]:
                 raise ValueError(f"Config.{name}={getattr(self, name)!r} needs Config.nan_guard "
                                  "to name the metric to watch (it is None)")
+        if self.startup_timeout_secs is not None and self.hang_timeout_secs is None:
+            raise ValueError(f"Config.startup_timeout_secs={self.startup_timeout_secs!r} needs "
+                             "Config.hang_timeout_secs: the watchdog that watches the start-up "
+                             "is off (it is None)")
         if self.local_checkpoint_dir is not None:
             self._check_local_dir()
         object.__setattr__(self, "disable", tuple(self.disable))

@@ -5,7 +5,7 @@
 >>> _ = loopkit.train(lambda s: (s + 1, {}), init=jnp.zeros(()), max_steps=2,
 ...                   plugins=[rec], progress=False)
 >>> rec.names()
-['restore_state', 'init_state', 'local_init', 'step_carry', 'session_create', 'before_step', 'after_step', 'before_step', 'after_step', 'on_stop']
+['session_open', 'restore_state', 'init_state', 'local_init', 'step_carry', 'session_create', 'before_step', 'after_step', 'before_step', 'after_step', 'on_stop']
 >>> [c.kwargs["step"] for c in rec.calls("after_step")]
 [1, 2]
 """

@@ -282,6 +282,26 @@ def test_a_blocked_process_ends_both_and_each_report_names_it(tmp_path):
     assert "model.ckpt-" in (tmp_path / "checkpoint").read_text()  # committed ones intact
 
 
+def test_a_process_blocked_before_its_first_batch_ends_both_at_start_up(tmp_path):
+    # process 1's reader blocks before its first batch: process 0 waits for it in the
+    # start-up's first collective; the start-up allowance ends both, each report naming
+    # its place
+    t0 = time.monotonic()
+    procs = start(tmp_path, tmp_path, 2, 20, "--hang-secs", "2", "--startup-secs", "8",
+                  *plan(tmp_path / "plan", ["ok"], ["hang 0"]))
+    outs = finish(procs, ok=False)
+    assert [code for code, _, _ in outs] == [75, 75], [o[2][-2000:] for o in outs]
+    assert time.monotonic() - t0 < 8 + 60 + 30  # the allowance, the bound, JAX's start
+    texts = [(tmp_path / "hangs" / f"hang-{i}-0.txt").read_text() for i in range(2)]
+    assert "has not completed its first step" in texts[0]
+    assert re.search(r"waiting for the first batch: in a collective, at ", texts[0]), \
+        texts[0][:2000]
+    assert re.search(r"waiting for the first batch: the prefetch thread is inside the data "
+                     r"source, at data \(.*distributed_worker\.py:\d+\)", texts[1]), \
+        texts[1][:2000]
+    assert "process 1 is behind" in texts[0], texts[0][:3000]
+
+
 def test_two_runners_survive_a_sigkill_of_one_child_and_finish_bitwise(tmp_path):
     ref, run = tmp_path / "ref", tmp_path / "run"
     for d in (ref, run):

@@ -77,6 +77,11 @@ class Session:
         self.input: Input | None = None
         #: per-session plugin state (`StashKey` -> value)
         self.stash = Stash()
+        #: what the start-up is doing ("taking the logdir lock", "restoring step 40",
+        #: "waiting for the first batch"): set at start-up points only, never per step,
+        #: so once the first step has run it holds the last of them (a hang watchdog
+        #: reads it from its own thread; a plugin may refine it while it starts up)
+        self.phase: str = "opening the session"
         self.plugin_manager = pm
         self.hook = pm.hook
         self.coord = coord if coord is not None else Coordinator()
@@ -292,7 +297,9 @@ class Session:
 
     def _prepare(self, init: Any, data: Any) -> None:
         hook = self.hook
+        hook.session_open(session=self)  # before anything that can block (the watchdog)
         if self.logdir is not None and self.is_chief:  # one run per logdir
+            self.phase = "taking the logdir lock"
             self._lock = LogdirLock(self.logdir, on_lost=self.coord.request_stop)
             self._lock.acquire()
         # `loopkit run` learns whose child this is (only the chief's records restarts)
@@ -300,6 +307,7 @@ class Session:
                      is_chief=self.is_chief)
         self._uncache = use_compilation_cache(self.config.compilation_cache, self.logdir)
         restored = recover_or_init(self, init)  # the state, restored or fresh, checked
+        self.phase = "starting the services"
         if data is not None:
             self.input = make_input(data, self.step, restored, self.config.data_sharding)
         carries = [c for c in hook.step_carry(session=self) if c is not None]
@@ -319,6 +327,7 @@ class Session:
             if reader is not None:
                 self.input.read_with(reader)
         update_status(step=self.step, start_step=self.step)
+        self.phase = "waiting for the first batch" if data is not None else "before the first step"
 
     def _arm_stops(self) -> None:
         coord, max_steps = self.coord, self.config.max_steps

@@ -28,6 +28,20 @@ PyTree = Any
 
 
 @hookspec
+def session_open(session: SessionView) -> None:
+    """The session starts to open: called first, before the logdir lock and the restore.
+
+    For a service that watches the start-up itself (the hang watchdog); start
+    other services in `session_create`. Nothing is ready yet: `session.step` is 0
+    and there is no state. `session.phase` says what the start-up does next
+    ("taking the logdir lock", "restoring step 40", "waiting for the first batch");
+    it is set at start-up points only, never per step.
+
+    :param session: the `loopkit.Session`, opening.
+    """
+
+
+@hookspec
 def session_create(session: SessionView) -> None:
     """The state is ready (recovered or initialised): start services.
 

@@ -193,10 +193,12 @@ class CheckpointPlugin:
         # program (and a restart finds it in the persistent compilation cache)
         found, tier = None, self.local
         if tier is not None:
+            _phase(session, durable_best(tier.ledger.on_disk, tier.file), "the local tier")
             found = find_local(tier.backend, frozenset(tier.ledger.on_disk), tier.file, like,
                                tier.path, durable_best(durable.ledger.on_disk, durable.file))
         if found is None:
             tier = durable
+            _phase(session, durable_best(durable.ledger.on_disk, durable.file), None)
             found = find_restorable(durable.backend, frozenset(durable.ledger.on_disk),
                                     durable.ledger.logdir, durable.file, like, durable.path,
                                     self.config.recovery_wait_secs)
@@ -384,6 +386,12 @@ class CheckpointPlugin:
             if (failed is not None and failed is not error
                     and failed is not session.coord.exception):
                 raise failed
+
+
+def _phase(session: Any, step: int | None, tier: str | None) -> None:
+    """Name the step being restored for a hang report ("restoring step 40")."""
+    if step is not None:
+        session.phase = f"restoring step {step}" + (f" from {tier}" if tier else "")
 
 
 def plugin(config: Config) -> CheckpointPlugin | None:

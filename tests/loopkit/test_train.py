@@ -27,7 +27,7 @@ def test_hook_order_and_arguments_over_a_run():
     result = loopkit.train(add_step, init=jnp.zeros(()), data=[1.0, 2.0, 3.0], plugins=[rec],
                            **FAST)
     assert rec.names() == [
-        "restore_state", "init_state", "local_init", "step_carry", "session_create",
+        "session_open", "restore_state", "init_state", "local_init", "step_carry", "session_create",
         "input_reader", "before_step", "after_step", "before_step", "after_step", "before_step", "after_step",
         "on_stop",
     ]

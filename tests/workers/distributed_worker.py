@@ -12,7 +12,7 @@ with the process index. --data-lens: process i's data ends after global step N_i
 as it is read, as tests/workers/run_worker.py does): "crash N" SIGKILLs the process
 after step N, once the saves in flight have committed; "hang N" blocks its data reader
 at batch N; "ok" trains on.
---hang-secs S: Config.hang_timeout_secs.
+--hang-secs S: Config.hang_timeout_secs; --startup-secs S: Config.startup_timeout_secs.
 --local-dir: a local checkpoint tier in DIR (each process's in DIR/process-<id>), saved
 every 3 steps.
 --backend NAME: Config.checkpoint_backend (default orbax).
@@ -57,6 +57,7 @@ def main():
     p.add_argument("--shard-state", action="store_true")
     p.add_argument("--plan", default=None)
     p.add_argument("--hang-secs", type=float, default=None)
+    p.add_argument("--startup-secs", type=float, default=None)
     p.add_argument("--heartbeat-secs", type=int, default=100)
     p.add_argument("--local-dir", default=None)
     p.add_argument("--die-uploading", default=None)
@@ -199,6 +200,7 @@ def main():
                       save_model_secs=args.save_secs, save_model_steps=args.save_steps,
                       save_summaries_steps=5, progress=False,
                       hang_timeout_secs=args.hang_secs, checkpoint_backend=args.backend,
+                      startup_timeout_secs=args.startup_secs,
                       **tiers)
     state = host(r.state)
     np.savez(args.out, step=r.step, **state)

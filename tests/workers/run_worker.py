@@ -4,10 +4,13 @@
 
 PLAN_FILE holds one line per attempt, consumed in order (the first line is removed at
 each start): "crash N" SIGKILLs the process after step N, "hang N" blocks the data
-reader at batch N (the watchdog ends it), "slow-timer" runs a timer action that never
-returns, "sleep S" sleeps S seconds per step, "ok" trains to MAX_STEPS. STOP_SECS in the
-environment makes the close that long. Every start
-appends a line to PLAN_FILE.starts. The final state goes to OUT (npy).
+reader at batch N (the watchdog ends it; "hang 0": before the first batch),
+"slow-timer" runs a timer action that never returns, "sleep S" sleeps S seconds per
+step, "ok" trains to MAX_STEPS. Every start appends a line to PLAN_FILE.starts. The
+final state goes to OUT (npy).
+Environment: STOP_SECS makes the close that long; HANG_SECS and STARTUP_SECS set
+Config.hang_timeout_secs and startup_timeout_secs; BLOCK_REPORT=1 makes every write
+under logdir/hangs, and the goodput ledger's record of a hang, block for ever.
 """
 
 import os
@@ -34,6 +37,30 @@ with open(plan_file + ".starts", "a") as f:
 
 def blocked_forever():
     threading.Event().wait()
+
+
+if os.environ.get("BLOCK_REPORT"):  # a storage layer whose write of the report blocks
+    import loopkit.storage
+
+    write_atomic = loopkit.storage.write_atomic
+
+    def blocking_write(path, data):
+        if "/hangs/" in str(path):
+            blocked_forever()
+        return write_atomic(path, data)
+
+    loopkit.storage.write_atomic = blocking_write
+    # and a goodput ledger whose record of the hang never returns (a mirror that blocks)
+    from loopkit.plugins.goodput.ledger import Ledger
+
+    ledger_write = Ledger.write
+
+    def blocking_ledger(self, record, wait=False):
+        if type(record).__name__ == "Hang":
+            blocked_forever()
+        return ledger_write(self, record, wait)
+
+    Ledger.write = blocking_ledger
 
 
 def data(start):
@@ -70,6 +97,7 @@ r = loopkit.train(step, init=lambda: {"w": jnp.ones(4), "n": jnp.zeros((), jnp.i
                   data=data, logdir=logdir, max_steps=max_steps, save_model_steps=2,
                   save_model_secs=None, checkpoint_backend="npz", plugins=[Plan()],
                   hang_timeout_secs=float(os.environ.get("HANG_SECS", "2")), progress=False,
+                  startup_timeout_secs=float(os.environ.get("STARTUP_SECS", "1800")),
                   autoload=False)
 np.save(out, np.asarray(r.state["w"]))
 print("DONE", r.step, r.stop_reason, flush=True)
