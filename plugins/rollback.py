@@ -33,7 +33,9 @@ from loopkit.config import Config
 from loopkit.coordinator import add_note
 from loopkit.errors import NonFiniteError, SpikeError
 from loopkit.hookspec import hookimpl
+from loopkit.plugins.checkpoint.backends.records import weakly_typed
 from loopkit.plugins.nan_guard import NanGuardPlugin
+from loopkit.pytree import is_key
 
 if TYPE_CHECKING:
     from loopkit.session import Session
@@ -52,8 +54,9 @@ class HostCopy:
 
     The session's initial state, to go back to when no checkpoint comes before
     the bad step: device memory holds no second copy of it. Each array leaf
-    keeps its placement (sharding, committed or not); a leaf spread over several
-    processes keeps only this process's shards.
+    keeps its placement (sharding, committed or not), its weak type, and a typed
+    PRNG key its implementation (the key's data is what is copied); a leaf
+    spread over several processes keeps only this process's shards.
     """
 
     def __init__(self, step: int, state: Any) -> None:
@@ -65,22 +68,29 @@ class HostCopy:
     def _save(x: Any) -> Any:
         if not isinstance(x, jax.Array):
             return ("value", np.array(x, copy=True) if isinstance(x, np.ndarray) else x)
-        if x.is_fully_addressable:
-            return ("array", np.asarray(jax.device_get(x)), x.sharding if x.committed else None)
-        shards = [(s.device, np.asarray(s.data)) for s in x.addressable_shards]
-        return ("shards", x.shape, x.sharding, shards)
+        impl = jax.random.key_impl(x) if is_key(x.dtype) else None
+        kind = (impl, bool(getattr(x, "weak_type", False)))  # what the host copy loses
+        data = jax.random.key_data(x) if impl is not None else x
+        if data.is_fully_addressable:  # copied: a view of a buffer a step donates would change
+            return ("array", kind, np.array(data, copy=True),
+                    data.sharding if x.committed else None)
+        shards = [(s.device, np.array(s.data, copy=True)) for s in data.addressable_shards]
+        return ("shards", kind, data.shape, data.sharding, shards)
 
     @staticmethod
     def _load(saved: Any) -> Any:
-        kind = saved[0]
-        if kind == "value":
+        if saved[0] == "value":
             return saved[1]
-        if kind == "array":
-            _, host, sharding = saved
-            return jax.device_put(host, sharding) if sharding is not None else jax.numpy.asarray(host)
-        _, shape, sharding, shards = saved
-        return jax.make_array_from_single_device_arrays(
-            shape, sharding, [jax.device_put(data, device) for device, data in shards])
+        if saved[0] == "array":
+            _, (impl, weak), host, sharding = saved
+            x = jax.device_put(host, sharding) if sharding is not None else jax.numpy.asarray(host)
+        else:
+            _, (impl, weak), shape, sharding, shards = saved
+            x = jax.make_array_from_single_device_arrays(
+                shape, sharding, [jax.device_put(data, device) for device, data in shards])
+        if impl is not None:
+            return jax.random.wrap_key_data(x, impl=impl)
+        return weakly_typed(x) if weak and not x.weak_type else x
 
     def state(self) -> Any:
         return jax.tree.unflatten(self.treedef, [self._load(s) for s in self.leaves])

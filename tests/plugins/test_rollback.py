@@ -355,3 +355,40 @@ def test_a_rollback_is_a_line_of_the_goodput_ledger(tmp_path):
     assert '"step":15' in lines[0] and '"to_step":10' in lines[0]
     assert f"batches [{SKIPPED[0]}, {SKIPPED[1]}) skipped" in lines[0]
     assert loopkit.goodput(tmp_path).rollbacks == 1
+
+
+def test_a_rollback_to_the_initial_state_keeps_typed_keys_and_weak_types(tmp_path):
+    """Every NNX model holds a typed key (`nnx.Rngs`), and a Python scalar in a state is
+    weakly typed: the initial state kept for a rollback keeps both, and the run that
+    goes back to it ends bit for bit where a run without the skipped batches ends."""
+    import jax
+
+    def keyed_step(state, batch):
+        key, sub = jax.random.split(state["key"])
+        w = state["w"] * 0.9 + jax.random.normal(sub, state["w"].shape) * 0.01 + batch
+        return ({"key": key, "w": w, "lr": state["lr"] * 0.99, "scale": state["scale"] * 0.5},
+                {"loss": jnp.mean(w) * batch})
+
+    def keyed_init():
+        return {"key": jax.random.key(7), "w": jnp.zeros(4, jnp.float32),
+                "lr": jnp.asarray(0.5),  # weakly typed, as a Python scalar through jit is
+                "scale": 2.0}  # a Python scalar
+
+    assert keyed_init()["lr"].weak_type
+    fields = dict(max_steps=12, save_model_steps=None, save_model_secs=None, nan_guard="loss",
+                  on_guard="rollback", progress=False)
+    rec = Rollbacks()
+    rolled = loopkit.train(keyed_step, init=keyed_init, data=source({3}), plugins=[rec],
+                           logdir=str(tmp_path / "a"), **fields)
+    clean = loopkit.train(keyed_step, init=keyed_init, data=source(skip=(0, 5)),
+                          logdir=str(tmp_path / "b"), **fields)
+    (record, at), = rec.records
+    assert (record.restored_step, record.skipped, at) == (0, (0, 5), 0)  # the initial state
+    assert rolled.step == clean.step == 12
+    key = rolled.state["key"]
+    assert jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+    assert (jax.random.key_data(key).tobytes()
+            == jax.random.key_data(clean.state["key"]).tobytes())
+    assert rolled.state["lr"].weak_type and rolled.state["lr"].dtype == jnp.float32
+    assert rolled.state["scale"].weak_type
+    loopkit.testing.assert_same_state(rolled.state, clean.state)  # dtype, weak type, bits
