@@ -207,6 +207,6 @@ class RollbackGuard(NanGuardPlugin):
             "loopkit: %s; rolled back to step %d (%s), skipping batches [%d, %d) (%d); "
             "rollback %d of Config.max_rollbacks=%d", error, to, where, first, consumed,
             consumed - first, done + 1, self.max_rollbacks)
-        if session.summary_writer is not None:
-            session.summary_writer.add_scalar(ROLLBACKS_TAG, done + 1, error.step)
         session.hook.on_rollback(session=session, record=record)
+        if session.summary_writer is not None:  # after the summaries' purge, which hides it
+            session.summary_writer.add_scalar(ROLLBACKS_TAG, done + 1, error.step)

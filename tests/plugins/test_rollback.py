@@ -392,3 +392,27 @@ def test_a_rollback_to_the_initial_state_keeps_typed_keys_and_weak_types(tmp_pat
     assert rolled.state["lr"].weak_type and rolled.state["lr"].dtype == jnp.float32
     assert rolled.state["scale"].weak_type
     loopkit.testing.assert_same_state(rolled.state, clean.state)  # dtype, weak type, bits
+
+
+@pytest.mark.parametrize("reduce", ["last", "mean"])
+def test_tensorboard_after_a_rollback_shows_the_run_without_the_skipped_batches(
+        tmp_path, reduce):
+    """Summaries every 5 steps: step 15 (bad) is written, with its NaN, before the guard
+    sees it. After the rollback to 10 the events from 11 on are hidden (a new event file
+    purging from there, as after a restart), no step is shown twice, and the interval
+    mean starts afresh: TensorBoard's reader shows what the clean run shows."""
+    from loopkit.testing import read_events, scalars
+
+    kw = dict(save_summaries_steps=5, save_summaries_secs=None, summary_reduce=reduce)
+    run(tmp_path / "a", source({P}), **kw)
+    run(tmp_path / "b", source(skip=SKIPPED), **kw)
+    rolled, clean = read_events(tmp_path / "a"), read_events(tmp_path / "b")
+    loss = scalars(rolled, "loss")
+    assert [s for s, _ in loss] == list(range(5, N + 1, 5))  # each step once
+    assert all(np.isfinite(v) for _, v in loss)  # no skipped bad value, alone or in a mean
+    assert loss == scalars(clean, "loss")
+    for tag in rolled.Tags()["scalars"]:
+        points = [s for s, _ in scalars(rolled, tag)]
+        assert len(points) == len(set(points)), (tag, points)
+    assert scalars(rolled, "loopkit/rollbacks") == [(15, 1.0)]  # not hidden by the purge
+    assert len(list((tmp_path / "a").glob("events.out.tfevents.*"))) == 2  # one more file
