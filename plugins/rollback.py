@@ -34,6 +34,7 @@ from loopkit.coordinator import add_note
 from loopkit.errors import NonFiniteError, SpikeError
 from loopkit.hookspec import hookimpl
 from loopkit.plugins.checkpoint.backends.records import weakly_typed
+from loopkit.plugins.checkpoint.replicas import SAVE_VETO
 from loopkit.plugins.nan_guard import NanGuardPlugin
 from loopkit.pytree import is_key
 
@@ -129,23 +130,57 @@ class RollbackGuard(NanGuardPlugin):
             self.initial = HostCopy(session.step, session.state)
         if jax.process_count() > 1:
             self.vote = session.every(self._agreed, secs=math.inf, name="rollback")
+            session.stash[SAVE_VETO] = self  # a durable save carries the verdict
 
     @hookimpl
     def after_step(self, session: Session, step: int, metrics: Mapping[str, Any]) -> None:
         super().after_step(session, step, metrics)
         if step == self.max_steps and session.step == step and self._pending is not None:
             # the stop follows: this step has no next step to trail it, and a bad
-            # value found at the stop could no longer be rolled back
-            bad = self._check(*self._pending)
-            if bad is not None:
-                self._bad(session, bad)
+            # value found at the stop could no longer be rolled back. Many processes:
+            # every one is here at this step (max_steps is the same everywhere)
+            if self.vote is None:
+                bad = self._check(*self._pending)
+                if bad is not None:
+                    self._bad(session, bad)
+            else:
+                self.vetoes(session)  # this step's value, checked now
+                self._agreed(session)
 
     @hookimpl
     def on_stop(self, session: Session, error: BaseException | None) -> None:
+        if self.vote is not None and error is None:
+            # a stop agreed before the vote: every process raises the earliest bad value
+            # (none alone, which would leave the others in the final save's collective)
+            self.vetoes(session)
+            agreed = self._agreed_error()
+            if agreed is not None:
+                raise agreed
+            return
         unresolved, self.first_bad = self.first_bad, None  # the stop came before the vote
         super().on_stop(session, error)
         if error is None and unresolved is not None:
             raise unresolved
+
+    def vetoes(self, session: Session) -> bool:
+        """Many processes, before a durable save's agreement: whether this process has
+        a bad value not yet agreed. The value not yet checked (the current step's) is
+        checked now: a save waits for the step anyway, and must not save a bad state."""
+        pending = self._pending
+        if self.first_bad is None and pending is not None:
+            self._pending = None
+            self.first_bad = self._check(*pending)
+        return self.first_bad is not None
+
+    def vetoed(self, session: Session, final: bool) -> None:
+        """Some process vetoed the save at this step: every process is here. Roll back,
+        or at the final save, where no step follows, raise the earliest bad value."""
+        if not final:
+            self._agreed(session)
+            return
+        agreed = self._agreed_error()
+        if agreed is not None:
+            raise agreed
 
     def _bad(self, session: Session, error: NonFiniteError) -> None:
         if self.vote is None:
@@ -156,25 +191,29 @@ class RollbackGuard(NanGuardPlugin):
 
     def _agreed(self, session: Session) -> None:
         """Every process, at one step: roll back before the earliest bad step seen."""
+        error = self._agreed_error()
+        if error is not None:
+            self._roll_back(session, error)
+
+    def _agreed_error(self) -> NonFiniteError | None:
+        """The earliest bad value any process holds (a collective: every process calls it
+        at the same step), or None; this process's own is forgotten."""
         from jax.experimental import multihost_utils
 
-        mine = self.first_bad
+        mine, self.first_bad = self.first_bad, None
         row = ([mine.step, mine.value, isinstance(mine, SpikeError),
                 getattr(mine, "median", 0.0)] if mine is not None else [_NONE, 0.0, 0, 0.0])
         rows = np.asarray(multihost_utils.process_allgather(np.asarray(row, np.float64)))
         rows = rows.reshape(-1, 4)
         first = rows[int(np.argmin(rows[:, 0]))]
-        self.first_bad = None
         if first[0] >= _NONE:
-            return
+            return None
         step, value = int(first[0]), float(first[1])
         if mine is not None and mine.step == step:
-            error = mine
-        elif first[2]:
-            error = SpikeError(self.metric, step, value, float(first[3]), self.threshold)
-        else:
-            error = NonFiniteError(self.metric, step, value)
-        self._roll_back(session, error)
+            return mine
+        if first[2]:
+            return SpikeError(self.metric, step, value, float(first[3]), self.threshold)
+        return NonFiniteError(self.metric, step, value)
 
     def _roll_back(self, session: Session, error: NonFiniteError) -> None:
         inp = session.input

@@ -36,6 +36,7 @@ import jax
 from loopkit import storage
 from loopkit.checkpoint import CheckpointBackend, Restored
 from loopkit.config import Config
+from loopkit.errors import CheckpointError
 from loopkit.hookspec import hookimpl
 from loopkit.pytree import abstract, check_storable, conform
 from loopkit.stash import StashKey
@@ -44,7 +45,7 @@ from loopkit.plugins.checkpoint import rollback
 from loopkit.plugins.checkpoint.recovery import (
     durable_best, find_local, find_restorable,
 )
-from loopkit.plugins.checkpoint.replicas import agree_to_save, host_copies
+from loopkit.plugins.checkpoint.replicas import SAVE_VETO, agree_to_save, host_copies
 from loopkit.plugins.checkpoint.retention import Ledger
 from loopkit.plugins.checkpoint.tier import SharedHold, Tier
 from loopkit.plugins.goodput.cadence import AutoInterval
@@ -302,9 +303,19 @@ class CheckpointPlugin:
                  and timer.due(step, session.clock()))
         if many:
             # every process saves at this step: agree that all may, on the replicas, and
-            # whether the local tier saves too (each process's clock may say otherwise)
+            # whether the local tier saves too (each process's clock may say otherwise);
+            # a bad value on any process (the rollback guard's veto) replaces the save
+            veto = session.stash.get(SAVE_VETO)
             state, names, prints = host_copies(state)
-            local = agree_to_save(tier.path(step), names, prints, refused, local)
+            local, vetoed = agree_to_save(tier.path(step), names, prints, refused, local,
+                                          veto is not None and veto.vetoes(session))
+            if vetoed:
+                hold.release()
+                if veto is None:
+                    raise CheckpointError(f"not saving {tier.path(step)}: another process "
+                                          "vetoed it, and this one has no Config.on_guard='rollback'")
+                veto.vetoed(session, final)
+                return
         if local:
             hold.acquire()  # before the durable commit may release it
         metadata = self._metadata(session, step)

@@ -336,7 +336,8 @@ def test_two_processes_roll_back_together(tmp_path, tiers):
     rolls = [re.findall(r"^ROLLBACK (\d+) (\d+) (\d+) (\d+)$", t, re.M) for t in texts]
     assert rolls[0] == rolls[1] and len(rolls[0]) == 1, texts  # together, once
     bad, restored, first, end = map(int, rolls[0][0])
-    assert (bad, restored, first) == (15, 10, 10) and end >= 16
+    # the durable save at step 15 checks step 15's value and carries the verdict
+    assert (bad, restored, first, end) == (15, 10, 10, 15)
     if local:
         assert "CORRUPTED" in texts[1]
         assert "model.ckpt-12 is unreadable on process 1" in texts[1], texts[1][-3000:]
@@ -416,3 +417,62 @@ def test_tensorboard_after_a_rollback_shows_the_run_without_the_skipped_batches(
         assert len(points) == len(set(points)), (tag, points)
     assert scalars(rolled, "loopkit/rollbacks") == [(15, 1.0)]  # not hidden by the purge
     assert len(list((tmp_path / "a").glob("events.out.tfevents.*"))) == 2  # one more file
+
+
+def _cases():
+    """[bad_process, bad_step, save_steps, save_secs]: the bad step at a save step (its
+    state saved before the guard reads its value), just before one (the verdict not yet
+    agreed when the save comes), further before, just after, at the last step; saves by
+    step count and by time (wherever the agreement puts them), on either process."""
+    steps = [(p, b, 5, None) for p, b in [(1, 15), (0, 15), (1, 14), (0, 14), (1, 13),
+                                         (0, 10), (1, 11), (0, 16), (1, 20), (0, 24),
+                                         (1, 29), (0, 30), (1, 5), (0, 4)]]
+    timed = [(p, b, None, 0.02) for p, b in [(1, 8), (0, 12), (1, 17), (0, 21), (1, 26),
+                                            (0, 29)]]
+    return steps + timed
+
+
+@pytest.mark.timeout(240)
+def test_a_bad_value_on_one_of_two_processes_before_a_durable_save_rolls_both_back(tmp_path):
+    """Twenty runs of a two-process job (one `jax.distributed` start, each run a few
+    seconds at most): process p's batch goes NaN, its host-local state with it, at or
+    just before a durable save. The save carries the guard's verdict: no save of the
+    bad state, both processes roll back at the same step, every time, and each run ends
+    bit for bit where a run whose data never held the skipped batches ends."""
+    import json
+
+    cases = _cases()
+    assert len(cases) == 20
+    port = free_port()
+    worker = os.path.join(os.path.dirname(__file__), "..", "workers", "rollback_worker.py")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    outs = [open(tmp_path / f"p{i}.out", "w+") for i in range(2)]
+    procs = [subprocess.Popen([sys.executable, worker, str(tmp_path), str(i), str(port),
+                               json.dumps(cases)], env=env, stdout=outs[i],
+                              stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    try:
+        for p in procs:
+            p.wait(timeout=200)
+    finally:
+        for p in procs:
+            p.kill()
+    texts = []
+    for f in outs:
+        f.seek(0)
+        texts.append(f.read())
+    assert [p.returncode for p in procs] == [0, 0], [t[-3000:] for t in texts]
+    clean = {}
+    for k, (_, bad, save_steps, _) in enumerate(cases):
+        rolls = [re.findall(rf"^ROLLBACK {k} (\d+) (\d+) (\d+) (\d+)$", t, re.M) for t in texts]
+        assert rolls[0] == rolls[1] and len(rolls[0]) == 1, (k, rolls)  # together, once
+        step, restored, first, end = map(int, rolls[0][0])
+        assert step == bad and first == restored < bad <= end, (k, rolls)  # batch bad-1 skipped
+        if save_steps:
+            assert restored == (bad - 1) // save_steps * save_steps, (k, restored)
+            for t in texts:  # never saved: no checkpoint of the bad state to delete
+                assert f"run-{k}/model.ckpt-{bad}: it holds" not in t, k
+        finals = [re.search(rf"^W {k} (\w+) (\d+)$", t, re.M).groups() for t in texts]
+        if (first, end) not in clean:
+            r = run(tmp_path / f"clean-{first}-{end}", source(skip=(first, end)))
+            clean[first, end] = np.asarray(r.state["w"]).tobytes().hex()
+        assert finals[0] == finals[1] == (clean[first, end], str(N)), k
