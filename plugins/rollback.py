@@ -16,7 +16,10 @@ across restarts, up to `Config.max_rollbacks`.
 With several processes a process that sees a bad value votes at the next
 agreement (a time trigger of a timer named "rollback", the way a process asks
 for a checkpoint); every process then rolls back at that step to the checkpoint
-before the earliest bad step any of them saw.
+before the earliest bad step any of them saw. A durable save that comes first
+carries the verdict in its own gather (`SAVE_VETO`, the value of its step checked
+then): no bad state is saved, nor compared as a replica, and the rollback replaces
+the save on every process. The last step, and a stop before the vote, are agreed too.
 """
 
 from __future__ import annotations
