@@ -40,7 +40,7 @@ from loopkit.errors import CheckpointError
 from loopkit.hookspec import hookimpl
 from loopkit.pytree import abstract, check_storable, conform
 from loopkit.stash import StashKey
-from loopkit.plugins.checkpoint.position import encode_position
+from loopkit.plugins.checkpoint.position import encode_position, gather_positions
 from loopkit.plugins.checkpoint import rollback
 from loopkit.plugins.checkpoint.recovery import (
     durable_best, find_local, find_restorable,
@@ -262,13 +262,18 @@ class CheckpointPlugin:
                                               name="checkpoint_local")
 
     def _metadata(self, session: Any, step: int) -> dict:
+        """The checkpoint's metadata. Many processes with stateful iterators: a collective
+        (every process's input position, gathered), called by all at the same step."""
         inp = session.input
+        position = encode_position(inp.position(step) if inp is not None else None)
         metadata = {
             "step": step,
-            "data_position": encode_position(inp.position(step) if inp is not None else None),
+            "data_position": position,
             "timestamp": time.time(),
             "process_count": jax.process_count(),
         }
+        if jax.process_count() > 1 and inp is not None and inp.kind == "stateful":
+            metadata["data_positions"] = gather_positions(position)  # each reads its shard
         if inp is not None and inp.skipped:  # rollbacks skipped batches: where the input is
             metadata.update(consumed=step + inp.offset, skipped=[list(r) for r in inp.skipped])
         return metadata
@@ -333,6 +338,8 @@ class CheckpointPlugin:
         t0 = time.perf_counter()
         tier, step = self.local, session.step
         assert tier is not None
+        # the timer fires on every process at this step: what follows may differ by process
+        metadata = self._metadata(session, step) if staged is None else None
         refused = None
         if tier.last_save_step != step:  # else the durable save at this step saved it too
             tier.join(session, self.config.stop_grace_secs)
@@ -346,7 +353,7 @@ class CheckpointPlugin:
                 raise refused
             return
         if staged is None:
-            staged = SharedHold(session.stage_state()), self._metadata(session, step)
+            staged = SharedHold(session.stage_state()), metadata
         hold, metadata = staged
         tier.start(session, step, hold.state, hold, metadata)
         self.local_blocking_secs = time.perf_counter() - t0
