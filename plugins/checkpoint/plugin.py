@@ -36,7 +36,6 @@ import jax
 from loopkit import storage
 from loopkit.checkpoint import CheckpointBackend, Restored
 from loopkit.config import Config
-from loopkit.errors import CheckpointError
 from loopkit.hookspec import hookimpl
 from loopkit.pytree import abstract, check_storable, conform
 from loopkit.stash import StashKey
@@ -262,8 +261,7 @@ class CheckpointPlugin:
                                               name="checkpoint_local")
 
     def _metadata(self, session: Any, step: int) -> dict:
-        """The checkpoint's metadata. Many processes with stateful iterators: a collective
-        (every process's input position, gathered), called by all at the same step."""
+        """The checkpoint's metadata (a collective with many processes' own positions)."""
         inp = session.input
         position = encode_position(inp.position(step) if inp is not None else None)
         metadata = {
@@ -313,12 +311,9 @@ class CheckpointPlugin:
             veto = session.stash.get(SAVE_VETO)
             state, names, prints = host_copies(state)
             local, vetoed = agree_to_save(tier.path(step), names, prints, refused, local,
-                                          veto is not None and veto.vetoes(session))
-            if vetoed:
+                                          veto, session)
+            if vetoed and veto is not None:
                 hold.release()
-                if veto is None:
-                    raise CheckpointError(f"not saving {tier.path(step)}: another process "
-                                          "vetoed it, and this one has no Config.on_guard='rollback'")
                 veto.vetoed(session, final)
                 return
         if local:

@@ -82,19 +82,22 @@ def host_copies(state: Any) -> tuple[Any, list[str], list[int]]:
 
 def agree_to_save(where: str, names: list[str], prints: list[int],
                   failed: BaseException | None, local_due: bool = False,
-                  veto: bool = False) -> tuple[bool, bool]:
+                  veto: SaveVeto | None = None, session: Any = None) -> tuple[bool, bool]:
     """Gather every process's fingerprints, last-commit status and veto; raise on all alike.
 
     `failed` is this process's error from its previous save, if any: every
     process then raises (this one its own error), so none enters a save alone.
     `local_due`: this process's local-tier timer is due too (by its own clock).
-    `veto`: this process stops the save (`SaveVeto.vetoes`). Returns whether the
-    local tier is due on any process, so all save it at this step or none does,
-    and whether any process vetoed (then the replicas are not compared: no save).
+    `veto`: asked whether this process stops the save (`SaveVeto.vetoes(session)`).
+    Returns whether the local tier is due on any process, so all save it at this
+    step or none does, and whether any process vetoed (then the replicas are not
+    compared: no save).
     """
     from jax.experimental import multihost_utils
 
-    mine = np.asarray([int(failed is not None), int(local_due), int(veto), *prints], np.uint32)
+    vetoes = veto is not None and veto.vetoes(session)
+    mine = np.asarray([int(failed is not None), int(local_due), int(vetoes), *prints],
+                      np.uint32)
     table = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, len(mine))
     broken = [int(p) for p in np.flatnonzero(table[:, 0])]
     if broken:
@@ -104,6 +107,9 @@ def agree_to_save(where: str, names: list[str], prints: list[int],
                               f"process{'es' if len(broken) > 1 else ''} "
                               f"{', '.join(map(str, broken))} (its own output has the error)")
     if table[:, 2].any():
+        if veto is None:  # every process runs the same plugins, the same Config
+            raise CheckpointError(f"not saving {where}: another process vetoed it (a bad "
+                                  "value), and this one has no Config.on_guard='rollback'")
         return False, True
     for col, name in enumerate(names, start=3):
         column = table[:, col]
