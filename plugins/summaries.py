@@ -10,7 +10,9 @@ since the last summary, summed on device inside the jitted step),
 checkpoint plugin writes `loopkit/checkpoint_blocking_secs` at each save through
 the same writer). `Config.hparams` goes to TensorBoard's
 HParams dashboard at the start. A normal stop writes the final step unless the
-timer already did. See docs/summaries.md.
+timer already did. After a rollback (`on_rollback`) it starts a new event file that
+purges from the step after the restored one, as a restart does, and restarts the
+interval mean. See docs/summaries.md.
 """
 
 from __future__ import annotations
@@ -88,6 +90,7 @@ class SummariesPlugin:
         self.config = config
         self.writer: Any = None
         self.mirror: Mirror | None = None  # the events' copy under a URL logdir
+        self._where = ""  # the directory of the event files (a local one under a URL)
         self._written_step: int | None = None
         self._last_time = 0.0
         self._last_busy = 0.0
@@ -102,8 +105,6 @@ class SummariesPlugin:
     def session_create(self, session: Session) -> None:
         if not session.is_chief:
             return  # every process runs the same program; only the chief writes
-        from tensorboardX import SummaryWriter
-
         cfg = self.config
         restored = session.restored
         # Every session starts with a SessionLog.START event (as the Supervisor's
@@ -120,10 +121,8 @@ class SummariesPlugin:
             # locally and mirror it on the summary timer, off the main thread.
             where = tempfile.mkdtemp(prefix="loopkit-events-")
             self.mirror = Mirror(Path(where), str(session.logdir))
-        self.writer = SummaryWriter(
-            str(where), purge_step=purge_step, flush_secs=FLUSH_SECS,
-            max_queue=1024, filename_suffix=event_file_suffix(),
-        )
+        self._where = str(where)
+        self.writer = self._open(purge_step)
         session.summary_writer = self.writer
         # At the purge step on a resume (one config per session even when several
         # sessions resume at the same step, e.g. at max_steps: each purges the last).
@@ -138,8 +137,33 @@ class SummariesPlugin:
         if secs or steps:
             session.every(self._write, secs=secs, steps=steps, name="summaries")
 
+    def _open(self, purge_step: int) -> Any:
+        """A new event file whose first events hide what earlier files hold from
+        `purge_step` on (its name sorts after theirs: `event_file_suffix`)."""
+        from tensorboardX import SummaryWriter
+
+        return SummaryWriter(self._where, purge_step=purge_step, flush_secs=FLUSH_SECS,
+                             max_queue=1024, filename_suffix=event_file_suffix())
+
+    @hookimpl(tryfirst=True)  # the fresh file first: other plugins' on_rollback may write
+    def on_rollback(self, session: Session, record: Any) -> None:
+        """As after a restart from the restored step: the events of the abandoned steps
+        hidden (a new file purging from the step after it), the interval mean restarted."""
+        if self.mean is not None:
+            self.mean.restart()  # its sums hold abandoned steps, the bad one among them
+        old = self.writer
+        if old is None:
+            return
+        self.writer = self._open(record.restored_step + 1)
+        if session.summary_writer is old:  # unless a plugin set a writer of its own
+            session.summary_writer = self.writer
+        old.close()
+        self._written_step = record.restored_step  # written before, never twice
+
     def _write(self, session: Session) -> None:
         writer, step, stats = self.writer, session.step, session.stats
+        if step == self._written_step:  # a time trigger at the step a rollback went to
+            return
         # Windows run from the start of one write to the start of the next: the
         # time of the timer actions at a boundary lands in `stats` once they all
         # returned, so it belongs to the window that starts at that boundary.

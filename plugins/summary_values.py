@@ -103,6 +103,16 @@ class IntervalMean:
         packed, n = value[0], len(self.scalars) + 1
         return {k: packed[n + i] for i, k in enumerate(self.latest)}
 
+    def restart(self) -> None:
+        """Drop the sums (a rollback abandoned the steps they hold); the next mean
+        covers the steps from now on. Call it at a step boundary, as `take`."""
+        value = self.carry.value
+        if value is not None:
+            packed = np.array(jax.device_get(value[0]))  # a copy: device_get may give a view
+            packed[:len(self.scalars) + 1] = 0  # the latest values (if any) stay
+            self.carry.value = jax.tree.map(_placed_like, (packed, self._zeros(self._like[1])),
+                                            value)
+
     def take(self) -> dict[str, Any]:
         """The means since the last `take` (host values), and a fresh sum.
 

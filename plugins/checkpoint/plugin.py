@@ -39,12 +39,12 @@ from loopkit.config import Config
 from loopkit.plugin.hookspec import hookimpl
 from loopkit.state.pytree import abstract, check_storable, conform
 from loopkit.loop.stash import StashKey
-from loopkit.plugins.checkpoint.position import encode_position
+from loopkit.plugins.checkpoint.position import encode_position, gather_positions
 from loopkit.plugins.checkpoint import rollback
 from loopkit.plugins.checkpoint.recovery import (
     durable_best, find_local, find_restorable,
 )
-from loopkit.plugins.checkpoint.replicas import agree_to_save, host_copies
+from loopkit.plugins.checkpoint.replicas import SAVE_VETO, agree_to_save, host_copies
 from loopkit.plugins.checkpoint.retention import Ledger
 from loopkit.plugins.checkpoint.tier import SharedHold, Tier
 from loopkit.plugins.goodput.cadence import AutoInterval
@@ -263,13 +263,17 @@ class CheckpointPlugin:
                                               name="checkpoint_local")
 
     def _metadata(self, session: Any, step: int) -> dict:
+        """The checkpoint's metadata (a collective with many processes' own positions)."""
         inp = session.input
+        position = encode_position(inp.position(step) if inp is not None else None)
         metadata = {
             "step": step,
-            "data_position": encode_position(inp.position(step) if inp is not None else None),
+            "data_position": position,
             "timestamp": time.time(),
             "process_count": jax.process_count(),
         }
+        if jax.process_count() > 1 and inp is not None and inp.kind == "stateful":
+            metadata["data_positions"] = gather_positions(position)  # each reads its shard
         if inp is not None and inp.skipped:  # rollbacks skipped batches: where the input is
             metadata.update(consumed=step + inp.offset, skipped=[list(r) for r in inp.skipped])
         return metadata
@@ -304,9 +308,16 @@ class CheckpointPlugin:
                  and timer.due(step, session.clock()))
         if many:
             # every process saves at this step: agree that all may, on the replicas, and
-            # whether the local tier saves too (each process's clock may say otherwise)
+            # whether the local tier saves too (each process's clock may say otherwise);
+            # a bad value on any process (the rollback guard's veto) replaces the save
+            veto = session.stash.get(SAVE_VETO)
             state, names, prints = host_copies(state)
-            local = agree_to_save(tier.path(step), names, prints, refused, local)
+            local, vetoed = agree_to_save(tier.path(step), names, prints, refused, local,
+                                          veto, session)
+            if vetoed and veto is not None:
+                hold.release()
+                veto.vetoed(session, final)
+                return
         if local:
             hold.acquire()  # before the durable commit may release it
         metadata = self._metadata(session, step)
@@ -324,6 +335,8 @@ class CheckpointPlugin:
         t0 = time.perf_counter()
         tier, step = self.local, session.step
         assert tier is not None
+        # the timer fires on every process at this step: what follows may differ by process
+        metadata = self._metadata(session, step) if staged is None else None
         refused = None
         if tier.last_save_step != step:  # else the durable save at this step saved it too
             tier.join(session, self.config.stop_grace_secs)
@@ -337,7 +350,7 @@ class CheckpointPlugin:
                 raise refused
             return
         if staged is None:
-            staged = SharedHold(session.stage_state()), self._metadata(session, step)
+            staged = SharedHold(session.stage_state()), metadata
         hold, metadata = staged
         tier.start(session, step, hold.state, hold, metadata)
         self.local_blocking_secs = time.perf_counter() - t0

@@ -2,15 +2,27 @@
 
 `encode_position` turns what the data source's ``get_state()`` returns into a JSON
 value (bytes as base64 under `BYTES_KEY`); `decode_position` undoes it at recovery.
+
+With many processes each reads its own shard, so each has its own position, and the
+chief alone writes a durable checkpoint's metadata: every checkpoint, in every tier,
+holds them all (`gather_positions`, at the save's step, under ``data_positions``, by
+process index), and each process resumes with its own (`own_position`).
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import logging
 from typing import Any
 
-__all__ = ["BYTES_KEY", "decode_position", "encode_position"]
+import jax
+import numpy as np
+
+__all__ = ["BYTES_KEY", "decode_position", "encode_position", "gather_positions",
+           "own_position"]
+
+log = logging.getLogger("loopkit")
 
 #: the key that marks base64-encoded bytes inside a JSON input position
 BYTES_KEY = "__loopkit_bytes__"
@@ -58,3 +70,33 @@ def decode_position(value: Any) -> Any:
     if isinstance(value, list):
         return [decode_position(v) for v in value]
     return value
+
+
+def gather_positions(position: Any) -> list[Any]:
+    """Every process's encoded `position`, by process index. A collective: every process
+    calls it at the same step (a save's). Two small gathers: the lengths, then the
+    JSON bytes padded to the longest."""
+    from jax.experimental import multihost_utils
+
+    mine = json.dumps(position).encode()
+    sizes = np.asarray(multihost_utils.process_allgather(np.asarray(len(mine), np.int64)))
+    sizes = sizes.reshape(-1)
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[:len(mine)] = np.frombuffer(mine, np.uint8)
+    table = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(sizes), -1)
+    return [json.loads(row[:n].tobytes()) for row, n in zip(table, sizes)]
+
+
+def own_position(metadata: dict, where: str) -> Any:
+    """This process's input position in a checkpoint's `metadata` (at `where`), decoded:
+    its own entry of ``data_positions`` when the checkpoint was written by as many
+    processes as there are now, else the writer's ``data_position``."""
+    every = metadata.get("data_positions")
+    me, count = jax.process_index(), jax.process_count()
+    if isinstance(every, list) and len(every) == count:
+        return decode_position(every[me])
+    if isinstance(every, list) and me == 0:
+        log.warning("loopkit: %s holds the input positions of %d processes, and this run "
+                    "has %d: every process resumes its data at process 0's position",
+                    where, len(every), count)
+    return decode_position(metadata.get("data_position"))

@@ -18,7 +18,7 @@ import numpy as np
 
 from loopkit.plugin.backend import CheckpointBackend, Restored
 from loopkit.errors import CheckpointError
-from loopkit.plugins.checkpoint.position import decode_position
+from loopkit.plugins.checkpoint.position import own_position
 from loopkit.plugins.checkpoint.tf_file import CheckpointState, recovery_order
 
 __all__ = ["any_process", "common_steps", "durable_best", "find_local", "find_restorable",
@@ -208,7 +208,7 @@ def read_checkpoint(backend: CheckpointBackend, step: int, like: PyTree, path: s
 def _found(step: int, tree: PyTree, metadata: dict | None, path: str) -> Restored:
     metadata = metadata or {}
     skipped = tuple((int(a), int(b)) for a, b in metadata.get("skipped") or ())
-    return Restored(tree, step, decode_position(metadata.get("data_position")), path,
+    return Restored(tree, step, own_position(metadata, path), path,
                     metadata.get("consumed"), skipped)
 
 

@@ -9,23 +9,42 @@ chief's copy, as flax's old checkpointing kept), and a restore places them like
 `init`'s leaves, host-local again.
 
 At each save, every process sends one fingerprint per replica (a CRC-32 of its
-bytes) and whether its previous save committed, in one gather at the step every
-process saves (the save is itself agreed): nothing runs per step. A leaf whose
-replicas differ fails the save on every process, naming the leaf and the processes.
+bytes), whether its previous save committed, and whether it vetoes the save, in one
+gather at the step every process saves (the save is itself agreed): nothing runs per
+step. A leaf whose replicas differ fails the save on every process, naming the leaf
+and the processes. A veto (`SAVE_VETO`: the rollback guard holds a bad value on that
+process, its state perhaps no longer a replica of the others') replaces the save on
+every process by the veto's `vetoed` (a rollback), before the replicas are compared.
 """
 
 from __future__ import annotations
 
 import zlib
-from typing import Any
+from typing import Any, Optional, Protocol
 
 import jax
 import numpy as np
 
 from loopkit.errors import CheckpointError
 from loopkit.state.pytree import is_key, leaf_path
+from loopkit.loop.stash import StashKey
 
-__all__ = ["agree_to_save", "host_copies"]
+__all__ = ["SAVE_VETO", "SaveVeto", "agree_to_save", "host_copies"]
+
+
+class SaveVeto(Protocol):
+    """What a plugin puts in `SAVE_VETO` to stop a multi-process durable save."""
+
+    def vetoes(self, session: Any) -> bool:
+        """This process's view, just before the save's agreement: True to stop it."""
+
+    def vetoed(self, session: Any, final: bool) -> None:
+        """Some process vetoed: called on every process at the same step instead of the
+        save (`final`: the save at a normal stop)."""
+
+
+#: many processes: the session's `SaveVeto`, if a plugin (the rollback guard) set one
+SAVE_VETO = StashKey[Optional[SaveVeto]]()
 
 
 def _fingerprint(value: Any) -> int:
@@ -62,18 +81,23 @@ def host_copies(state: Any) -> tuple[Any, list[str], list[int]]:
 
 
 def agree_to_save(where: str, names: list[str], prints: list[int],
-                  failed: BaseException | None, local_due: bool = False) -> bool:
-    """Gather every process's fingerprints and last-commit status; raise on all alike.
+                  failed: BaseException | None, local_due: bool = False,
+                  veto: SaveVeto | None = None, session: Any = None) -> tuple[bool, bool]:
+    """Gather every process's fingerprints, last-commit status and veto; raise on all alike.
 
     `failed` is this process's error from its previous save, if any: every
     process then raises (this one its own error), so none enters a save alone.
-    `local_due`: this process's local-tier timer is due too (by its own clock);
-    returns whether it is on any process, so all save the local tier at this step
-    or none does.
+    `local_due`: this process's local-tier timer is due too (by its own clock).
+    `veto`: asked whether this process stops the save (`SaveVeto.vetoes(session)`).
+    Returns whether the local tier is due on any process, so all save it at this
+    step or none does, and whether any process vetoed (then the replicas are not
+    compared: no save).
     """
     from jax.experimental import multihost_utils
 
-    mine = np.asarray([int(failed is not None), int(local_due), *prints], np.uint32)
+    vetoes = veto is not None and veto.vetoes(session)
+    mine = np.asarray([int(failed is not None), int(local_due), int(vetoes), *prints],
+                      np.uint32)
     table = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, len(mine))
     broken = [int(p) for p in np.flatnonzero(table[:, 0])]
     if broken:
@@ -82,7 +106,12 @@ def agree_to_save(where: str, names: list[str], prints: list[int],
         raise CheckpointError(f"not saving {where}: the previous checkpoint save failed on "
                               f"process{'es' if len(broken) > 1 else ''} "
                               f"{', '.join(map(str, broken))} (its own output has the error)")
-    for col, name in enumerate(names, start=2):
+    if table[:, 2].any():
+        if veto is None:  # every process runs the same plugins, the same Config
+            raise CheckpointError(f"not saving {where}: another process vetoed it (a bad "
+                                  "value), and this one has no Config.on_guard='rollback'")
+        return False, True
+    for col, name in enumerate(names, start=3):
         column = table[:, col]
         odd = [int(p) for p in np.flatnonzero(column != column[0])]
         if odd:
@@ -92,4 +121,4 @@ def agree_to_save(where: str, names: list[str], prints: list[int],
                 f"{', '.join(map(str, odd))} hold different values). A leaf that each process "
                 "holds on its own is a replica and must be the same everywhere; a value that "
                 "differs per process belongs in a global jax.Array (sharded over the processes)")
-    return bool(table[:, 1].any())
+    return bool(table[:, 1].any()), False

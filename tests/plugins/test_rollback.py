@@ -336,7 +336,8 @@ def test_two_processes_roll_back_together(tmp_path, tiers):
     rolls = [re.findall(r"^ROLLBACK (\d+) (\d+) (\d+) (\d+)$", t, re.M) for t in texts]
     assert rolls[0] == rolls[1] and len(rolls[0]) == 1, texts  # together, once
     bad, restored, first, end = map(int, rolls[0][0])
-    assert (bad, restored, first) == (15, 10, 10) and end >= 16
+    # the durable save at step 15 checks step 15's value and carries the verdict
+    assert (bad, restored, first, end) == (15, 10, 10, 15)
     if local:
         assert "CORRUPTED" in texts[1]
         assert "model.ckpt-12 is unreadable on process 1" in texts[1], texts[1][-3000:]
@@ -355,3 +356,123 @@ def test_a_rollback_is_a_line_of_the_goodput_ledger(tmp_path):
     assert '"step":15' in lines[0] and '"to_step":10' in lines[0]
     assert f"batches [{SKIPPED[0]}, {SKIPPED[1]}) skipped" in lines[0]
     assert loopkit.goodput(tmp_path).rollbacks == 1
+
+
+def test_a_rollback_to_the_initial_state_keeps_typed_keys_and_weak_types(tmp_path):
+    """Every NNX model holds a typed key (`nnx.Rngs`), and a Python scalar in a state is
+    weakly typed: the initial state kept for a rollback keeps both, and the run that
+    goes back to it ends bit for bit where a run without the skipped batches ends."""
+    import jax
+
+    def keyed_step(state, batch):
+        key, sub = jax.random.split(state["key"])
+        w = state["w"] * 0.9 + jax.random.normal(sub, state["w"].shape) * 0.01 + batch
+        return ({"key": key, "w": w, "lr": state["lr"] * 0.99, "scale": state["scale"] * 0.5},
+                {"loss": jnp.mean(w) * batch})
+
+    def keyed_init():
+        return {"key": jax.random.key(7), "w": jnp.zeros(4, jnp.float32),
+                "lr": jnp.asarray(0.5),  # weakly typed, as a Python scalar through jit is
+                "scale": 2.0}  # a Python scalar
+
+    assert keyed_init()["lr"].weak_type
+    fields = dict(max_steps=12, save_model_steps=None, save_model_secs=None, nan_guard="loss",
+                  on_guard="rollback", progress=False)
+    rec = Rollbacks()
+    rolled = loopkit.train(keyed_step, init=keyed_init, data=source({3}), plugins=[rec],
+                           logdir=str(tmp_path / "a"), **fields)
+    clean = loopkit.train(keyed_step, init=keyed_init, data=source(skip=(0, 5)),
+                          logdir=str(tmp_path / "b"), **fields)
+    (record, at), = rec.records
+    assert (record.restored_step, record.skipped, at) == (0, (0, 5), 0)  # the initial state
+    assert rolled.step == clean.step == 12
+    key = rolled.state["key"]
+    assert jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+    assert (jax.random.key_data(key).tobytes()
+            == jax.random.key_data(clean.state["key"]).tobytes())
+    assert rolled.state["lr"].weak_type and rolled.state["lr"].dtype == jnp.float32
+    assert rolled.state["scale"].weak_type
+    loopkit.testing.assert_same_state(rolled.state, clean.state)  # dtype, weak type, bits
+
+
+@pytest.mark.parametrize("reduce", ["last", "mean"])
+def test_tensorboard_after_a_rollback_shows_the_run_without_the_skipped_batches(
+        tmp_path, reduce):
+    """Summaries every 5 steps: step 15 (bad) is written, with its NaN, before the guard
+    sees it. After the rollback to 10 the events from 11 on are hidden (a new event file
+    purging from there, as after a restart), no step is shown twice, and the interval
+    mean starts afresh: TensorBoard's reader shows what the clean run shows."""
+    from loopkit.testing import read_events, scalars
+
+    kw = dict(save_summaries_steps=5, save_summaries_secs=None, summary_reduce=reduce)
+    run(tmp_path / "a", source({P}), **kw)
+    run(tmp_path / "b", source(skip=SKIPPED), **kw)
+    rolled, clean = read_events(tmp_path / "a"), read_events(tmp_path / "b")
+    loss = scalars(rolled, "loss")
+    assert [s for s, _ in loss] == list(range(5, N + 1, 5))  # each step once
+    assert all(np.isfinite(v) for _, v in loss)  # no skipped bad value, alone or in a mean
+    assert loss == scalars(clean, "loss")
+    for tag in rolled.Tags()["scalars"]:
+        points = [s for s, _ in scalars(rolled, tag)]
+        assert len(points) == len(set(points)), (tag, points)
+    assert scalars(rolled, "loopkit/rollbacks") == [(15, 1.0)]  # not hidden by the purge
+    assert len(list((tmp_path / "a").glob("events.out.tfevents.*"))) == 2  # one more file
+
+
+def _cases():
+    """[bad_process, bad_step, save_steps, save_secs]: the bad step at a save step (its
+    state saved before the guard reads its value), just before one (the verdict not yet
+    agreed when the save comes), further before, just after, at the last step; saves by
+    step count and by time (wherever the agreement puts them), on either process."""
+    steps = [(p, b, 5, None) for p, b in [(1, 15), (0, 15), (1, 14), (0, 14), (1, 13),
+                                         (0, 10), (1, 11), (0, 16), (1, 20), (0, 24),
+                                         (1, 29), (0, 30), (1, 5), (0, 4)]]
+    timed = [(p, b, None, 0.02) for p, b in [(1, 8), (0, 12), (1, 17), (0, 21), (1, 26),
+                                            (0, 29)]]
+    return steps + timed
+
+
+@pytest.mark.timeout(240)
+def test_a_bad_value_on_one_of_two_processes_before_a_durable_save_rolls_both_back(tmp_path):
+    """Twenty runs of a two-process job (one `jax.distributed` start, each run a few
+    seconds at most): process p's batch goes NaN, its host-local state with it, at or
+    just before a durable save. The save carries the guard's verdict: no save of the
+    bad state, both processes roll back at the same step, every time, and each run ends
+    bit for bit where a run whose data never held the skipped batches ends."""
+    import json
+
+    cases = _cases()
+    assert len(cases) == 20
+    port = free_port()
+    worker = os.path.join(os.path.dirname(__file__), "..", "workers", "rollback_worker.py")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    outs = [open(tmp_path / f"p{i}.out", "w+") for i in range(2)]
+    procs = [subprocess.Popen([sys.executable, worker, str(tmp_path), str(i), str(port),
+                               json.dumps(cases)], env=env, stdout=outs[i],
+                              stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    try:
+        for p in procs:
+            p.wait(timeout=200)
+    finally:
+        for p in procs:
+            p.kill()
+    texts = []
+    for f in outs:
+        f.seek(0)
+        texts.append(f.read())
+    assert [p.returncode for p in procs] == [0, 0], [t[-3000:] for t in texts]
+    clean = {}
+    for k, (_, bad, save_steps, _) in enumerate(cases):
+        rolls = [re.findall(rf"^ROLLBACK {k} (\d+) (\d+) (\d+) (\d+)$", t, re.M) for t in texts]
+        assert rolls[0] == rolls[1] and len(rolls[0]) == 1, (k, rolls)  # together, once
+        step, restored, first, end = map(int, rolls[0][0])
+        assert step == bad and first == restored < bad <= end, (k, rolls)  # batch bad-1 skipped
+        if save_steps:
+            assert restored == (bad - 1) // save_steps * save_steps, (k, restored)
+            for t in texts:  # never saved: no checkpoint of the bad state to delete
+                assert f"run-{k}/model.ckpt-{bad}: it holds" not in t, k
+        finals = [re.search(rf"^W {k} (\w+) (\d+)$", t, re.M).groups() for t in texts]
+        if (first, end) not in clean:
+            r = run(tmp_path / f"clean-{first}-{end}", source(skip=(first, end)))
+            clean[first, end] = np.asarray(r.state["w"]).tobytes().hex()
+        assert finals[0] == finals[1] == (clean[first, end], str(N)), k

@@ -258,11 +258,11 @@ def finish(rec: LeafRecord, value: Any) -> Any:
     if rec.kind == "key":
         return jax.random.wrap_key_data(value, impl=rec.impl)
     if rec.weak and isinstance(value, jax.Array) and not getattr(value, "weak_type", True):
-        return _weak(value)
+        return weakly_typed(value)
     return value
 
 
-def _weak(x: jax.Array) -> jax.Array:
+def weakly_typed(x: jax.Array) -> jax.Array:
     """``x`` weakly typed (as a Python scalar that went through jit is), placed as ``x``."""
     if x.ndim == 0 and x.is_fully_addressable:
         scalar = jax.numpy.asarray(x.item())  # a Python scalar: weak, default dtype
