@@ -68,7 +68,7 @@ def _inside(frames: list[FrameType], hooks: bool = True) -> str:
         return f"in a hook, at {at}"
     if jax_frames:
         return f"inside JAX, at {at}"
-    if frames and frames[0].f_code.co_filename.endswith("loopkit/step.py"):
+    if frames and frames[0].f_code.co_filename.endswith("loopkit/loop/step.py"):
         # the jitted call runs in JAX's C++ fast path: no Python frame of JAX's
         return f"inside the jitted step (the device, or a collective in it), at {at}"
     return f"at {at}"
@@ -104,7 +104,7 @@ def place(session: Any, first: bool) -> str:
     session's first step completed (then `session.phase` says what the start-up did)."""
     frames = _stack(threading.main_thread())
     batch = "the first batch" if first else f"the batch of step {session.step + 1}"
-    if _has(frames, "loopkit/session.py", "run"):
+    if _has(frames, "loopkit/loop/session.py", "run"):
         doing = "running the first step" if first else f"running step {session.step + 1}"
         return f"{doing}: {_inside(frames)}"
     if _has(frames, "prefetch.py", "_wait_for_batch"):
