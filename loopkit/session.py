@@ -58,6 +58,10 @@ class SessionStats:
     input_wait_secs: float = 0.0
     #: how many times the metrics were fetched to the host (`Session.host_metrics`)
     host_conversions: int = 0
+    #: seconds spent opening the data (`data(start_step)`, `iter(data)`) at the start
+    input_open_secs: float = 0.0
+    #: seconds `train`'s loop waited for its first batch (None until it came)
+    first_batch_secs: float | None = None
 
     def overhead_secs(self) -> float:
         return sum(self.timer_secs.values()) + self.input_wait_secs
@@ -314,7 +318,9 @@ class Session:
         self._uncache = use_compilation_cache(self.config.compilation_cache, self.logdir)
         restored = recover_or_init(self, init)  # the state, restored or fresh, checked
         if data is not None:
+            t0 = time.perf_counter()  # the goodput ledger books it as input, not startup
             self.input = make_input(data, self.step, restored, self.config.data_sharding)
+            self.stats.input_open_secs = time.perf_counter() - t0
         carries = [c for c in hook.step_carry(session=self) if c is not None]
         self._before = hook.before_step if hook.before_step.get_hookimpls() else None
         self._after = hook.after_step if hook.after_step.get_hookimpls() else None

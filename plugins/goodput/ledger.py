@@ -54,8 +54,10 @@ class Ledger:
             storage.makedirs(logdir)
             self.path = Path(logdir) / LEDGER_NAME
             data = self.path.read_bytes() if self.path.exists() else b""
-        #: every whole record of the ledger: the earlier sessions' and this one's
-        self.records: list[Record] = list(records_in(data.decode("utf-8", errors="replace")))
+        #: every whole record of the ledger: the earlier sessions' and this one's (a
+        #: malformed line is skipped with a warning: the ledger never stops a run)
+        self.records: list[Record] = list(records_in(
+            data.decode("utf-8", errors="replace"), str(storage.join(logdir, LEDGER_NAME))))
         self._check_end = True  # the first append ends a torn last line
         #: the running session's start, until its record is written
         self.pending: Start | None = None
@@ -66,7 +68,7 @@ class Ledger:
 
         with self._lock:
             records = self.records + ([self.pending] if self.pending is not None else [])
-        return summarise(records)
+        return summarise(records, running=True)  # the last session is this one
 
     def write(self, record: Record, wait: bool = False) -> None:
         """Append `record` (any thread). `wait`: under a URL, return once it is uploaded."""

@@ -132,12 +132,16 @@ class GoodputPlugin:
         from loopkit.plugins.checkpoint.plugin import RESTORED_TIER  # its key, when it ran
 
         restored = session.restored
+        stats = session.stats
+        waited = stats.first_batch_secs or 0.0  # inside the first step's time: input
         return Start(
             time=now, step=session.step - 1 if first_step else session.step,
             host=socket.gethostname(), pid=os.getpid(), process_start=process_start_time(),
             tier=None if restored is None else session.stash.get(RESTORED_TIER, "durable"),
             restore_secs=self.restore_secs,
-            first_step_secs=now - self._opened if first_step else None)
+            first_step_secs=max(0.0, now - self._opened - waited) if first_step else None,
+            input_secs=stats.input_open_secs + waited,
+            summary_secs=self.config.save_summaries_secs or None)
 
     def _mark(self, session: Session, now: float) -> None:
         stats = session.stats
@@ -198,9 +202,16 @@ class GoodputPlugin:
             if self._start is None:
                 self._started(session, first_step=False)
             reason = "error" if error is not None else session.stop_reason
-            ledger.write(Stop(**self._measure(session, time.time()), reason=reason))
+            ledger.write(Stop(**self._measure(session, time.time()), reason=reason,
+                              error=None if error is None else _one_line(error)))
         finally:
             ledger.close()
+
+
+def _one_line(error: BaseException) -> str:
+    """The error as the ledger keeps it: its type and its message's first line."""
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0][:200]}" if text else type(error).__name__
 
 
 INACTIVE = "needs Config.logdir"
