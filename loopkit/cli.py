@@ -1,5 +1,5 @@
 """The `loopkit` command: `loopkit plugins`, `loopkit checkpoints LOGDIR`,
-`loopkit goodput LOGDIR`, `loopkit run -- CMD`."""
+`loopkit goodput LOGDIR`, `loopkit report LOGDIR`, `loopkit run -- CMD`."""
 
 from __future__ import annotations
 
@@ -25,10 +25,19 @@ def _plugins(args: argparse.Namespace) -> int:
 
 
 def _checkpoints(args: argparse.Namespace) -> int:
-    from loopkit.plugins.checkpoint import describe_checkpoints
+    import json
 
+    from loopkit.plugins.checkpoint import describe_checkpoints
+    from loopkit.plugins.checkpoint.listing import checkpoint_rows, recorded_local_dir, row_json
+
+    if args.local_dir is None:
+        args.local_dir = recorded_local_dir(args.logdir)
     try:
-        lines = describe_checkpoints(args.logdir)
+        if args.json:
+            rows = [row_json(r) for r in checkpoint_rows(args.logdir, local_dir=args.local_dir)]
+            print(json.dumps(rows, indent=1))
+            return 0
+        lines = describe_checkpoints(args.logdir, local_dir=args.local_dir)
     except (FileNotFoundError, ValueError, ImportError) as e:  # a bad path or URL
         print(f"loopkit checkpoints: {e}", file=sys.stderr)
         return 1
@@ -57,18 +66,42 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _goodput(args: argparse.Namespace) -> int:
-    from loopkit.plugins.goodput import format_report, goodput
+    import json
+    import logging
 
+    from loopkit.plugins.goodput import format_report
+    from loopkit.plugins.goodput.listing import format_sessions, report_json, session_rows
+    from loopkit.plugins.goodput.report import read_sessions, summarise_sessions
+
+    logging.basicConfig(format="%(name)s: %(message)s")  # the skipped lines' warnings
     try:
-        report = goodput(args.logdir)
+        sessions = read_sessions(args.logdir)
     except (ValueError, ImportError, OSError) as e:  # a bad path or URL
         print(f"loopkit goodput: {e}", file=sys.stderr)
         return 1
-    if report.sessions == 0:
+    if not sessions:
         print(f"no goodput ledger (goodput.jsonl) with a session in {args.logdir}",
               file=sys.stderr)
         return 1
-    print(format_report(report))
+    report = summarise_sessions(sessions)
+    if args.sessions:
+        rows = session_rows(sessions)
+        print(json.dumps(rows, indent=1) if args.json else format_sessions(rows))
+    else:
+        print(json.dumps(report_json(report), indent=1) if args.json
+              else format_report(report))
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from loopkit.plugins.goodput.report_html import write_report
+
+    try:
+        path = write_report(args.logdir, args.output)
+    except (ValueError, ImportError, OSError) as e:  # a bad path or URL, no ledger
+        print(f"loopkit report: {e}", file=sys.stderr)
+        return 1
+    print(path)
     return 0
 
 
@@ -79,11 +112,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.set_defaults(func=_plugins)
     c = sub.add_parser("checkpoints", help="list the checkpoints in LOGDIR")
     c.add_argument("logdir")
+    c.add_argument("--local-dir", default=None,
+                   help="the run's Config.local_checkpoint_dir: list its checkpoints too, "
+                        "as local (default: the one the ledger's last session recorded)")
+    c.add_argument("--json", action="store_true",
+                   help="print JSON: name, path, step, tier, size, time, listed, restore")
     c.set_defaults(func=_checkpoints)
     g = sub.add_parser("goodput", help="where LOGDIR's wall time went: goodput and badput "
                                        "by cause, from its ledger")
     g.add_argument("logdir")
+    g.add_argument("--json", action="store_true",
+                   help="print JSON (keys: GoodputReport's attribute names)")
+    g.add_argument("--sessions", action="store_true",
+                   help="list the sessions: start, end, how each ended, steps, what it restored")
     g.set_defaults(func=_goodput)
+    h = sub.add_parser("report", help="draw LOGDIR's life (sessions, restarts, hangs, "
+                                      "rollbacks, saves, goodput) as one self-contained "
+                                      "HTML file")
+    h.add_argument("logdir")
+    h.add_argument("-o", "--output", default=None,
+                   help="the HTML file to write (default LOGDIR/report.html; for a URL "
+                        "logdir, report.html here)")
+    h.set_defaults(func=_report)
     r = sub.add_parser("run", help="run a training command, restarting it after a failure "
                                    "or a preemption until it finishes")
     r.add_argument("--max-restarts", type=int, default=3,

@@ -19,7 +19,7 @@ import shutil
 import tempfile
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from loopkit import storage
 from loopkit.plugins.mirror import Mirror
@@ -123,12 +123,24 @@ class SaveTimes:
     committed: collections.deque[SaveTiming] = dataclasses.field(
         default_factory=collections.deque)
 
+    #: every tier's commits not yet recorded: (step, tier, wall time), from commit threads
+    saved: collections.deque[tuple[int, str, float]] = dataclasses.field(
+        default_factory=collections.deque)
+
     def take(self) -> list[SaveTiming]:
         """The committed saves not taken yet (thread-safe against the commit threads)."""
-        taken = []
-        while self.committed:
-            taken.append(self.committed.popleft())
-        return taken
+        return _drain(self.committed)
+
+    def take_saved(self) -> list[tuple[int, str, float]]:
+        """Every tier's commits not taken yet: (step, tier, wall time)."""
+        return _drain(self.saved)
+
+
+def _drain(queue: collections.deque[Any]) -> list[Any]:
+    taken = []
+    while queue:
+        taken.append(queue.popleft())
+    return taken
 
 
 #: the checkpoint plugin's `SaveTimes` for this session

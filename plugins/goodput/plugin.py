@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
+from loopkit import storage
 from loopkit.config import Config
 from loopkit.hookspec import hookimpl
 from loopkit.plugins.goodput.ledger import LEDGER, SAVE_TIMES, Ledger, SaveTimes
@@ -141,7 +142,9 @@ class GoodputPlugin:
             restore_secs=self.restore_secs,
             first_step_secs=max(0.0, now - self._opened - waited) if first_step else None,
             input_secs=stats.input_open_secs + waited,
-            summary_secs=self.config.save_summaries_secs or None)
+            summary_secs=self.config.save_summaries_secs or None,
+            local_dir=None if self.config.local_checkpoint_dir is None
+            else str(storage.normalise(self.config.local_checkpoint_dir, "local_checkpoint_dir")))
 
     def _mark(self, session: Session, now: float) -> None:
         stats = session.stats
@@ -165,7 +168,8 @@ class GoodputPlugin:
             saves=len(saves), hold_secs=sum(s.hold_secs for s in saves),
             commit_secs=sum(s.commit_secs for s in saves),
             overlap_secs=sum(s.overlap_secs for s in saves),
-            overlap_steps=sum(s.overlap_steps for s in saves))
+            overlap_steps=sum(s.overlap_steps for s in saves),
+            saved=[list(x) for x in self._saves.take_saved()])
         self._mark(session, now)
         return fields
 

@@ -65,6 +65,7 @@ class Start(Record):
     first_step_secs: float | None  # None: the session stopped before its first step
     input_secs: float = 0.0
     summary_secs: float | None = None
+    local_dir: str | None = None  # Config.local_checkpoint_dir, on `host`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +88,8 @@ class Window(Record):
     commit_secs: float = 0.0
     overlap_secs: float = 0.0
     overlap_steps: int = 0
+    #: every tier's checkpoints committed in the window: [step, tier, wall time]
+    saved: list[tuple[int, str, float]] = dataclasses.field(default_factory=list)
 
     @property
     def step_secs(self) -> float:
@@ -154,6 +157,11 @@ def _fits(value: Any, hint: Any) -> bool:
     if origin is dict:  # dict[str, float]: the timers
         return isinstance(value, dict) and all(
             isinstance(k, str) and _fits(v, args[1]) for k, v in value.items())
+    if origin is list:
+        return isinstance(value, list) and all(_fits(v, args[0]) for v in value)
+    if origin is tuple:  # a JSON array of fixed length
+        return isinstance(value, list) and len(value) == len(args) and all(
+            _fits(v, a) for v, a in zip(value, args))
     if args and type(None) in args:  # X | None
         return value is None or any(_fits(value, a) for a in args if a is not type(None))
     raise TypeError(f"a ledger record field annotated {hint!r}")  # a record type's bug
@@ -196,6 +204,8 @@ def _describe(hint: Any) -> str:
              type(None): "null"}
     if typing.get_origin(hint) is dict:
         return "an object of names to numbers"
+    if typing.get_origin(hint) is list:
+        return "a list of [step, tier, time]"
     args = typing.get_args(hint)
     return " or ".join(names.get(a, str(a)) for a in args) if args else names[hint]
 
