@@ -107,6 +107,12 @@ def test_a_live_run_is_shown_running_and_counted_as_a_crash_once_sigkilled(tmp_p
         cli = subprocess.run([sys.executable, "-m", "loopkit", "goodput", str(logdir)],
                              capture_output=True, text=True, timeout=120, env=ENV)
         assert cli.returncode == 0 and "(running: last record " in cli.stdout, cli.stdout
+        page = subprocess.run([sys.executable, "-m", "loopkit", "report", str(logdir), "-o",
+                               str(tmp_path / "live.html")], capture_output=True, text=True,
+                              timeout=120, env=ENV)
+        assert page.returncode == 0, page.stderr
+        text = (tmp_path / "live.html").read_text()  # drawn up to its last record
+        assert "running: last record " in text and 'data-ended="running"' in text
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.communicate(timeout=60)
