@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import functools
 import operator
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 if TYPE_CHECKING:
     import jax
@@ -265,3 +267,33 @@ class Config:
 
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(Config)}
+
+
+def check_field_names(names: Iterable[str]) -> None:
+    """Raise `TypeError` for names that are no Config field, suggesting the closest."""
+    known = Config.field_names()
+    unknown = sorted(set(names) - set(known))
+    if not unknown:
+        return
+    hints = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+        hints.append(f"{name!r} (did you mean {close[0]!r}?)" if close else repr(name))
+    raise TypeError(
+        f"unknown Config field{'s' if len(unknown) > 1 else ''} {', '.join(hints)}; "
+        f"the fields are listed in loopkit.Config (docs/migrating-from-supervisor.md)")
+
+
+def _checked_init(init: Callable[..., None]) -> Callable[..., None]:
+    """The dataclass's `__init__`, naming the field a misspelt keyword was meant to be
+    (`Config(save_model_sec=10)` says "did you mean 'save_model_secs'?", as `train` does)."""
+
+    @functools.wraps(init)
+    def __init__(self: Config, *args: Any, **fields: Any) -> None:
+        check_field_names(fields)
+        init(self, *args, **fields)
+
+    return __init__
+
+
+Config.__init__ = _checked_init(Config.__init__)  # type: ignore[method-assign]

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import difflib
 import os
 from typing import Any, Callable, Iterable, Mapping
 
 import jax
 
-from loopkit.config import Config
+from loopkit.config import Config, check_field_names
 from loopkit.loop.coordinator import Coordinator, LooperThread
 from loopkit.plugin.manager import make_plugin_manager
 from loopkit.loop.session import Session
@@ -18,17 +17,7 @@ __all__ = ["Supervisor", "make_config"]
 
 def make_config(config: Config | None, fields: Mapping[str, Any]) -> Config:
     """`config` with `fields` applied; unknown field names are a `TypeError`."""
-    known = Config.field_names()
-    unknown = sorted(set(fields) - set(known))
-    if unknown:
-        hints = []
-        for name in unknown:
-            close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
-            hints.append(f"{name!r} (did you mean {close[0]!r}?)" if close else repr(name))
-        raise TypeError(
-            f"unknown Config field{'s' if len(unknown) > 1 else ''} {', '.join(hints)}; "
-            f"the fields are listed in loopkit.Config (docs/migrating-from-supervisor.md)"
-        )
+    check_field_names(fields)
     if config is None:
         return Config(**fields)
     if not isinstance(config, Config):

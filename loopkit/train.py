@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any, Callable, Iterable
 
 from loopkit.config import Config
@@ -55,6 +56,16 @@ def _loop(session: Session) -> None:
             run()
         return
     it = session.batches()
+    if coord.stopped:
+        return
+    # the wait for the first batch is timed (the goodput ledger books it as input, not
+    # as the first step's compile) outside the loop: the steps after it run nothing more
+    t0 = time.perf_counter()
+    batch = _first_batch(session, it)
+    if batch is _NO_BATCH:
+        return
+    session.stats.first_batch_secs = time.perf_counter() - t0
+    run(batch)
     while not coord.stopped:
         try:
             batch = next(it)
@@ -62,8 +73,26 @@ def _loop(session: Session) -> None:
             coord.request_stop(reason="data_exhausted")
             break
         except BaseException as ex:
-            if not has_origin(ex):
-                add_note(ex, f"raised in loopkit reading the data source, for step "
-                             f"{session.step + 1}")
+            _name_the_step(session, ex)
             raise
         run(batch)
+
+
+_NO_BATCH = object()
+
+
+def _first_batch(session: Session, it: Any) -> Any:
+    """The first batch, or `_NO_BATCH` (the data ended: the stop is requested)."""
+    try:
+        return next(it)
+    except StopIteration:
+        session.coord.request_stop(reason="data_exhausted")
+        return _NO_BATCH
+    except BaseException as ex:
+        _name_the_step(session, ex)
+        raise
+
+
+def _name_the_step(session: Session, ex: BaseException) -> None:
+    if not has_origin(ex):
+        add_note(ex, f"raised in loopkit reading the data source, for step {session.step + 1}")

@@ -309,7 +309,9 @@ class Session:
         restored = recover_or_init(self, init)  # the state, restored or fresh, checked
         self.phase = "starting the services"
         if data is not None:
+            t0 = time.perf_counter()  # the goodput ledger books it as input, not startup
             self.input = make_input(data, self.step, restored, self.config.data_sharding)
+            self.stats.input_open_secs = time.perf_counter() - t0
         carries = [c for c in hook.step_carry(session=self) if c is not None]
         self._before = hook.before_step if hook.before_step.get_hookimpls() else None
         self._after = hook.after_step if hook.after_step.get_hookimpls() else None

@@ -252,3 +252,36 @@ def local_init(session: SessionView) -> None:
 
     :param session: the `loopkit.Session`.
     """
+
+
+# -- the `loopkit` command ---------------------------------------------------------------
+
+
+@hookspec
+def command_line(subparsers: Any) -> None:
+    """Add verbs to the `loopkit` command, as the built-ins add ``checkpoints``,
+    ``goodput`` and ``report``.
+
+    Called once when the command starts, on each built-in's ``commands`` module and
+    the entry-point plugins. Add a verb with ``subparsers.add_parser(name, help=...,
+    description=...)`` and set its ``func`` (``func(args) -> exit code``) with
+    ``set_defaults``; import what the verb needs when it runs, not here.
+
+    :param subparsers: the `argparse` sub-parsers of the ``loopkit`` parser.
+    """
+
+
+@hookspec
+def run_restarted(logdir: str, kind: str, exit_code: int | None, signal: int | None,
+                  step: int | None) -> None:
+    """``loopkit run`` is restarting the chief's child: record it (the goodput ledger does).
+
+    Called in the runner's process, between two children, for the runner of
+    process 0 only, with the logdir that child held.
+
+    :param logdir: the child's logdir (a path or URL), as its status file named it.
+    :param kind: ``"failure"`` or ``"preemption"``.
+    :param exit_code: the child's exit code, or None when a signal ended it.
+    :param signal: the signal that ended it, or None.
+    :param step: the step the child reached (None if it never said).
+    """

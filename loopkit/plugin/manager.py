@@ -20,7 +20,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("loopkit")
 
-__all__ = ["BUILTINS", "AUTOLOAD_ENV", "PluginManager", "make_plugin_manager"]
+__all__ = ["BUILTINS", "AUTOLOAD_ENV", "PluginManager", "make_command_manager",
+           "make_plugin_manager"]
 
 #: Built-in plugins, in start order: `session_create` runs in this order (before
 #: any other plugin's), and `on_stop` in the reverse order (after every other's).
@@ -220,6 +221,24 @@ def make_plugin_manager(config: Config, plugins: Iterable[Any] = ()) -> PluginMa
     except pluggy.PluginValidationError as ex:
         name = pm.get_name(ex.plugin) or _plugin_name(ex.plugin)
         raise PluginError(f"plugin {name!r} ({pm.origins.get(name, '?')}): {ex}") from ex
+    return pm
+
+
+def make_command_manager() -> PluginManager:
+    """The plugins the ``loopkit`` command asks for its verbs (`command_line`) and for
+    its restart records (`run_restarted`): those a run with a logdir and an otherwise
+    default Config uses, and each built-in's ``commands`` module where it has one."""
+    from loopkit.config import Config
+
+    pm = make_plugin_manager(Config(logdir="LOGDIR"))
+    for name in BUILTINS:
+        try:
+            module = importlib.import_module(f"loopkit.plugins.{name}.commands")
+        except ModuleNotFoundError as ex:  # a built-in with no verbs of its own
+            if ex.name not in (f"loopkit.plugins.{name}", f"loopkit.plugins.{name}.commands"):
+                raise
+            continue
+        _register(pm, module, f"{name}.commands", "built-in")
     return pm
 
 

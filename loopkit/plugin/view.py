@@ -38,6 +38,10 @@ class SessionStats:
     input_wait_secs: float = 0.0
     #: how many times the metrics were fetched to the host (`Session.host_metrics`)
     host_conversions: int = 0
+    #: seconds spent opening the data (`data(start_step)`, `iter(data)`) at the start
+    input_open_secs: float = 0.0
+    #: seconds `train`'s loop waited for its first batch (None until it came)
+    first_batch_secs: float | None = None
 
     def overhead_secs(self) -> float:
         return sum(self.timer_secs.values()) + self.input_wait_secs

@@ -1,11 +1,14 @@
-"""The `loopkit` command: `loopkit plugins`, `loopkit checkpoints LOGDIR`,
-`loopkit goodput LOGDIR`, `loopkit run -- CMD`."""
+"""The `loopkit` command: `loopkit plugins`, `loopkit run -- CMD`, and the plugins'
+verbs (`loopkit checkpoints LOGDIR`, `loopkit goodput LOGDIR`, `loopkit report LOGDIR`),
+which each plugin adds through the `command_line` hook."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from typing import Sequence
+
+from loopkit.plugin.manager import make_command_manager
 
 __all__ = ["main"]
 
@@ -24,21 +27,6 @@ def _plugins(args: argparse.Namespace) -> int:
     return 0
 
 
-def _checkpoints(args: argparse.Namespace) -> int:
-    from loopkit.plugins.checkpoint import describe_checkpoints
-
-    try:
-        lines = describe_checkpoints(args.logdir)
-    except (FileNotFoundError, ValueError, ImportError) as e:  # a bad path or URL
-        print(f"loopkit checkpoints: {e}", file=sys.stderr)
-        return 1
-    if not lines:
-        print(f"no checkpoints in {args.logdir}", file=sys.stderr)
-        return 1
-    print("\n".join(lines))
-    return 0
-
-
 def _run(args: argparse.Namespace) -> int:
     import logging
 
@@ -50,26 +38,14 @@ def _run(args: argparse.Namespace) -> int:
         print("loopkit run: give the command after --, e.g. loopkit run -- python train.py",
               file=sys.stderr)
         return 2
-    from loopkit.plugins.goodput.records import record_restart
+    restarted = make_command_manager().hook.run_restarted
+
+    def record(logdir: str, kind: str, exit_code: int | None, signal: int | None,
+               step: int | None) -> None:
+        restarted(logdir=logdir, kind=kind, exit_code=exit_code, signal=signal, step=step)
 
     return run(command, max_restarts=args.max_restarts, max_preemptions=args.max_preemptions,
-               backoff_secs=args.backoff_secs, record=record_restart)
-
-
-def _goodput(args: argparse.Namespace) -> int:
-    from loopkit.plugins.goodput import format_report, goodput
-
-    try:
-        report = goodput(args.logdir)
-    except (ValueError, ImportError, OSError) as e:  # a bad path or URL
-        print(f"loopkit goodput: {e}", file=sys.stderr)
-        return 1
-    if report.sessions == 0:
-        print(f"no goodput ledger (goodput.jsonl) with a session in {args.logdir}",
-              file=sys.stderr)
-        return 1
-    print(format_report(report))
-    return 0
+               backoff_secs=args.backoff_secs, record=record)
 
 
 def _count(text: str) -> int:
@@ -116,22 +92,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "would use (built-in, from an entry point, or left off and why), each "
                     "with the hooks it implements. Nothing is started or written.")
     p.set_defaults(func=_plugins)
-    c = sub.add_parser(
-        "checkpoints", help="list the checkpoints in LOGDIR",
-        description="List the checkpoints in LOGDIR (a path or a URL): their steps, "
-                    "tiers, sizes and times, the newest last; exit 1 when there are none.")
-    c.add_argument("logdir")
-    c.set_defaults(func=_checkpoints)
-    g = sub.add_parser(
-        "goodput", help="where LOGDIR's wall time went: goodput and badput by cause, "
-                        "from its ledger",
-        description="Read LOGDIR's ledger (goodput.jsonl) and print where the run's wall "
-                    "time went: the productive fraction, badput by cause (start-up, "
-                    "restore, compile, recompute, checkpoints, input, timers, downtime, "
-                    "hangs), the sessions, interruptions and rollbacks, the mean time "
-                    "between interruptions and the measured cost of a save.")
-    g.add_argument("logdir")
-    g.set_defaults(func=_goodput)
     r = sub.add_parser("run", help="run a training command, restarting it after a failure "
                                    "or a preemption until it finishes",
                        description=_RUN_HELP)
@@ -144,5 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "per consecutive one, at most 10 minutes (default 1)")
     r.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ...")
     r.set_defaults(func=_run)
+    # the plugins' own verbs: `checkpoints`, `goodput`, `report`, and any entry point's
+    make_command_manager().hook.command_line(subparsers=sub)
     args = parser.parse_args(argv)
     return args.func(args)

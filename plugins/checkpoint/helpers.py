@@ -20,8 +20,7 @@ import numpy as np
 
 from loopkit import storage
 from loopkit.plugins.checkpoint.locate import Backends, basename_of, locate, recoverable
-from loopkit.plugins.checkpoint.recovery import durable_best
-from loopkit.plugins.checkpoint.tf_file import checkpoint_path, read_state
+from loopkit.plugins.checkpoint.tf_file import checkpoint_path
 from loopkit.state.pytree import check_matches, conform, leaf_path, leaves_with_paths, shape_dtype
 
 __all__ = [
@@ -165,43 +164,31 @@ def _stored_at(backend: Any, logdir: Path | str, base: str, step: int) -> Path |
     return storage.join(logdir, on_disk[0] if on_disk else name)
 
 
-def describe_checkpoints(logdir: str | os.PathLike[str], *,
-                         basename: str | None = None) -> list[str]:
+def describe_checkpoints(logdir: str | os.PathLike[str], *, basename: str | None = None,
+                         local_dir: str | os.PathLike[str] | None = None) -> list[str]:
     """One line per checkpoint in `logdir`, oldest first: name, step, size, age.
 
     The one a restart would recover is marked ``<- latest``; one not named in
     the `checkpoint` file's list (kept by ``keep_checkpoint_every_n_hours``, or
     left behind by a restart from an older checkpoint) is marked ``(unlisted)``.
+    With `local_dir` (the run's ``Config.local_checkpoint_dir``) the local tier's
+    checkpoints are listed too, marked ``local``.
     """
-    logdir = storage.normalise(logdir, "logdir")
-    if not storage.is_dir(logdir):
-        raise FileNotFoundError(f"{logdir} does not exist" if not storage.exists(logdir)
-                                else f"{logdir} is not a directory")
-    base = basename_of(logdir, basename)
-    state = read_state(logdir, base)
+    from loopkit.plugins.checkpoint.listing import checkpoint_rows
+
     now = time.time()
     rows = []
-    with contextlib.closing(Backends(logdir, base)) as group:
-        found = group.steps()
-        first = durable_best(found, state)  # the file as read above, not read again
-        listed = {s for s, _ in state.listed} if state is not None else set(found)
-        for step in sorted(found):
-            path = _stored_at(found[step], logdir, base, step)
-            try:
-                size, mtime = storage.size_and_mtime(path)
-            except FileNotFoundError:  # deleted by retention while we look
-                continue
-            mark = ("<- latest (a restart recovers this one)" if step == first
-                    else "(unlisted)" if step not in listed else "")
-            rows.append((storage.name_of(path), f"step {step}", _human_size(size),
-                         _human_age(now - mtime), mark))
+    for r in checkpoint_rows(logdir, basename=basename, local_dir=local_dir):
+        mark = ("<- latest (a restart recovers this one)" if r.restore
+                else "(unlisted)" if not r.listed else "")
+        rows.append((r.name, f"step {r.step}", "local" if r.tier == "local" else "",
+                     _human_size(r.size), _human_age(now - r.time), mark))
     if not rows:
         return []
-    w0, w1, w2, w3 = (max(len(r[i]) for r in rows) for i in range(4))
-    return [
-        f"{a:<{w0}}  {b:<{w1}}  {c:>{w2}}  {d:<{w3}}  {m}".rstrip()
-        for a, b, c, d, m in rows
-    ]
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    return ["  ".join(f"{c:<{w}}" if i != 3 else f"{c:>{w}}"
+                      for i, (c, w) in enumerate(zip(r[:5], widths)) if w).rstrip()
+            + (f"  {r[5]}" if r[5] else "") for r in rows]
 
 
 # -- initialising from a pretrained checkpoint ------------------------------------------

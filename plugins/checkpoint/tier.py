@@ -20,7 +20,7 @@ from loopkit.loop.coordinator import add_note
 from loopkit.errors import CheckpointError
 from loopkit.plugins.checkpoint.retention import Ledger
 from loopkit.plugins.checkpoint.tf_file import CheckpointState, checkpoint_path
-from loopkit.plugins.goodput.ledger import SaveTimes, SaveTiming
+from loopkit.plugins.goodput.ledger import SAVE_TIMES, SaveTimes, SaveTiming
 from loopkit.process.run_status import checkpoint_committed
 
 __all__ = ["Beside", "Commit", "SharedHold", "Tier"]
@@ -206,6 +206,9 @@ class Tier:
     def _committed(self, session: Any, step: int, timestamp: float) -> None:
         """In the commit thread: `step` is durable; name it and apply retention."""
         self.ledger.on_disk.add(step)
+        times = session.stash.get(SAVE_TIMES)
+        if times is not None:  # the goodput ledger's record of saves, by tier
+            times.saved.append((step, self.kind, time.time()))
         if self.writes(session):
             for old in self.ledger.publish(step, timestamp):
                 self.backend.delete(old)

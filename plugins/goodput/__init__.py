@@ -5,6 +5,8 @@
   summaries.
 - `records`: the ledger's typed records (``logdir/goodput.jsonl``), shared with
   `loopkit run` (restarts), the watchdog (hangs) and rollbacks.
+- `sessions`: the records grouped by session, how each ended, and whether the last
+  one still runs.
 - `ledger`: `Ledger`, the writer other plugins reach through the stash (`LEDGER`),
   and `SaveTimes`, what the checkpoint plugin reports of each save.
 - `report`: `goodput(logdir) -> GoodputReport` (``loopkit goodput LOGDIR``) and

@@ -19,7 +19,7 @@ import shutil
 import tempfile
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from loopkit import storage
 from loopkit.plugins.mirror import Mirror
@@ -54,8 +54,10 @@ class Ledger:
             storage.makedirs(logdir)
             self.path = Path(logdir) / LEDGER_NAME
             data = self.path.read_bytes() if self.path.exists() else b""
-        #: every whole record of the ledger: the earlier sessions' and this one's
-        self.records: list[Record] = list(records_in(data.decode("utf-8", errors="replace")))
+        #: every whole record of the ledger: the earlier sessions' and this one's (a
+        #: malformed line is skipped with a warning: the ledger never stops a run)
+        self.records: list[Record] = list(records_in(
+            data.decode("utf-8", errors="replace"), str(storage.join(logdir, LEDGER_NAME))))
         self._check_end = True  # the first append ends a torn last line
         #: the running session's start, until its record is written
         self.pending: Start | None = None
@@ -66,7 +68,7 @@ class Ledger:
 
         with self._lock:
             records = self.records + ([self.pending] if self.pending is not None else [])
-        return summarise(records)
+        return summarise(records, running=True)  # the last session is this one
 
     def write(self, record: Record, wait: bool = False) -> None:
         """Append `record` (any thread). `wait`: under a URL, return once it is uploaded."""
@@ -121,12 +123,24 @@ class SaveTimes:
     committed: collections.deque[SaveTiming] = dataclasses.field(
         default_factory=collections.deque)
 
+    #: every tier's commits not yet recorded: (step, tier, wall time), from commit threads
+    saved: collections.deque[tuple[int, str, float]] = dataclasses.field(
+        default_factory=collections.deque)
+
     def take(self) -> list[SaveTiming]:
         """The committed saves not taken yet (thread-safe against the commit threads)."""
-        taken = []
-        while self.committed:
-            taken.append(self.committed.popleft())
-        return taken
+        return _drain(self.committed)
+
+    def take_saved(self) -> list[tuple[int, str, float]]:
+        """Every tier's commits not taken yet: (step, tier, wall time)."""
+        return _drain(self.saved)
+
+
+def _drain(queue: collections.deque[Any]) -> list[Any]:
+    taken = []
+    while queue:
+        taken.append(queue.popleft())
+    return taken
 
 
 #: the checkpoint plugin's `SaveTimes` for this session

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
+from loopkit import storage
 from loopkit.config import Config
 from loopkit.plugin.hookspec import hookimpl
 from loopkit.plugins.goodput.ledger import LEDGER, SAVE_TIMES, Ledger, SaveTimes
@@ -132,12 +133,18 @@ class GoodputPlugin:
         from loopkit.plugins.checkpoint.plugin import RESTORED_TIER  # its key, when it ran
 
         restored = session.restored
+        stats = session.stats
+        waited = stats.first_batch_secs or 0.0  # inside the first step's time: input
         return Start(
             time=now, step=session.step - 1 if first_step else session.step,
             host=socket.gethostname(), pid=os.getpid(), process_start=process_start_time(),
             tier=None if restored is None else session.stash.get(RESTORED_TIER, "durable"),
             restore_secs=self.restore_secs,
-            first_step_secs=now - self._opened if first_step else None)
+            first_step_secs=max(0.0, now - self._opened - waited) if first_step else None,
+            input_secs=stats.input_open_secs + waited,
+            summary_secs=self.config.save_summaries_secs or None,
+            local_dir=None if self.config.local_checkpoint_dir is None
+            else str(storage.normalise(self.config.local_checkpoint_dir, "local_checkpoint_dir")))
 
     def _mark(self, session: Session, now: float) -> None:
         stats = session.stats
@@ -161,7 +168,8 @@ class GoodputPlugin:
             saves=len(saves), hold_secs=sum(s.hold_secs for s in saves),
             commit_secs=sum(s.commit_secs for s in saves),
             overlap_secs=sum(s.overlap_secs for s in saves),
-            overlap_steps=sum(s.overlap_steps for s in saves))
+            overlap_steps=sum(s.overlap_steps for s in saves),
+            saved=[list(x) for x in self._saves.take_saved()])
         self._mark(session, now)
         return fields
 
@@ -198,9 +206,16 @@ class GoodputPlugin:
             if self._start is None:
                 self._started(session, first_step=False)
             reason = "error" if error is not None else session.stop_reason
-            ledger.write(Stop(**self._measure(session, time.time()), reason=reason))
+            ledger.write(Stop(**self._measure(session, time.time()), reason=reason,
+                              error=None if error is None else _one_line(error)))
         finally:
             ledger.close()
+
+
+def _one_line(error: BaseException) -> str:
+    """The error as the ledger keeps it: its type and its message's first line."""
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0][:200]}" if text else type(error).__name__
 
 
 INACTIVE = "needs Config.logdir"

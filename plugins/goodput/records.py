@@ -14,13 +14,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import math
 import os
+import typing
 from pathlib import Path
 from typing import Any, ClassVar, Iterator
 
 from loopkit import storage
 
-__all__ = ["LEDGER_NAME", "Hang", "Record", "Restart", "Rollback", "Start", "Stop", "Window",
+log = logging.getLogger("loopkit")
+
+__all__ = ["LEDGER_NAME", "BadLine", "Hang", "Record", "Restart", "Rollback", "Start", "Stop", "Window",
            "append_line", "parse", "records_in", "read_records", "record_restart"]
 
 LEDGER_NAME = "goodput.jsonl"
@@ -45,7 +50,10 @@ class Start(Record):
 
     `step` is the step it opened at (the restored one); `tier` where that came from
     (``"durable"``, ``"local"``, None for a fresh start). The session's time from
-    `process_start` to `time` is startup + `restore_secs` + `first_step_secs`.
+    `process_start` to `time` is startup + `restore_secs` + `input_secs` (opening the
+    data and waiting for the first batch) + `first_step_secs` (the first step, its
+    compile). `summary_secs` is how often the session writes a window (None: by steps
+    only), which tells a live session from a dead one by its last record's age.
     """
 
     event: ClassVar[str] = "start"
@@ -55,6 +63,9 @@ class Start(Record):
     tier: str | None
     restore_secs: float
     first_step_secs: float | None  # None: the session stopped before its first step
+    input_secs: float = 0.0
+    summary_secs: float | None = None
+    local_dir: str | None = None  # Config.local_checkpoint_dir, on `host`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +88,8 @@ class Window(Record):
     commit_secs: float = 0.0
     overlap_secs: float = 0.0
     overlap_steps: int = 0
+    #: every tier's checkpoints committed in the window: [step, tier, wall time]
+    saved: list[tuple[int, str, float]] = dataclasses.field(default_factory=list)
 
     @property
     def step_secs(self) -> float:
@@ -89,6 +102,7 @@ class Stop(Window):
 
     event: ClassVar[str] = "stop"
     reason: str | None = None  # Session.stop_reason, or "error"
+    error: str | None = None  # the error that stopped it: "TypeName: first line"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,31 +135,104 @@ class Restart(Record):
 TYPES: dict[str, type[Record]] = {
     t.event: t for t in (Start, Window, Stop, Hang, Rollback, Restart)
 }
+#: each record type's field annotations, resolved once
+HINTS: dict[type[Record], dict[str, Any]] = {t: typing.get_type_hints(t) for t in TYPES.values()}
+
+
+class BadLine(ValueError):
+    """A ledger line that is not a record: not JSON, not an object, a field missing or of
+    the wrong type. Its message says what is wrong with it."""
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    """Whether a JSON value fits a record field's annotation (the few kinds records use)."""
+    if hint is float:  # JSON has no int/float split; NaN or inf is no time or duration
+        return isinstance(value, (int, float)) and not isinstance(value, bool) \
+            and math.isfinite(value)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is dict:  # dict[str, float]: the timers
+        return isinstance(value, dict) and all(
+            isinstance(k, str) and _fits(v, args[1]) for k, v in value.items())
+    if origin is list:
+        return isinstance(value, list) and all(_fits(v, args[0]) for v in value)
+    if origin is tuple:  # a JSON array of fixed length
+        return isinstance(value, list) and len(value) == len(args) and all(
+            _fits(v, a) for v, a in zip(value, args))
+    if args and type(None) in args:  # X | None
+        return value is None or any(_fits(value, a) for a in args if a is not type(None))
+    raise TypeError(f"a ledger record field annotated {hint!r}")  # a record type's bug
 
 
 def parse(line: str) -> Record | None:
-    """The record of one line, or None for a torn line or an unknown event."""
+    """The record of one line; None for an event this version does not know (a later
+    version's record). Raises `BadLine` saying what is wrong with a malformed line.
+
+    Every field's type is checked here, so that a reader of records never meets a
+    wrong one (``"step": "zero"`` would fail a sum far from where it came in)."""
     try:
         obj = json.loads(line)
-        kind = TYPES[obj.pop("event")]
-        names = {f.name for f in dataclasses.fields(kind)}
-        return kind(**{k: v for k, v in obj.items() if k in names})
-    except (ValueError, KeyError, TypeError, AttributeError):
+    except ValueError as e:
+        raise BadLine(f"not JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise BadLine(f"not a JSON object but {type(obj).__name__}")
+    event = obj.pop("event", None)
+    if not isinstance(event, str):
+        raise BadLine(f"no \"event\" naming the record type (got {event!r})")
+    kind = TYPES.get(event)
+    if kind is None:
         return None
+    fields = {f.name: f for f in dataclasses.fields(kind)}
+    hints = HINTS[kind]
+    values = {}
+    for name, f in fields.items():
+        if name in obj:
+            if not _fits(obj[name], hints[name]):
+                raise BadLine(f"{event} record: {name}={obj[name]!r} is not "
+                              f"{_describe(hints[name])}")
+            values[name] = obj[name]
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise BadLine(f"{event} record without its field {name!r}")
+    return kind(**values)
+
+
+def _describe(hint: Any) -> str:
+    names = {float: "a finite number", int: "an integer", str: "a string",
+             type(None): "null"}
+    if typing.get_origin(hint) is dict:
+        return "an object of names to numbers"
+    if typing.get_origin(hint) is list:
+        return "a list of [step, tier, time]"
+    args = typing.get_args(hint)
+    return " or ".join(names.get(a, str(a)) for a in args) if args else names[hint]
 
 
 def read_records(logdir: Path | str) -> list[Record]:
-    """Every whole record of `logdir`'s ledger, in the order written (none: [])."""
+    """Every whole record of `logdir`'s ledger, in the order written (none: []); a
+    malformed line is skipped with a warning naming the file and the line."""
+    path = storage.join(logdir, LEDGER_NAME)
     try:
-        data = storage.read_bytes(storage.join(logdir, LEDGER_NAME))
+        data = storage.read_bytes(path)
     except FileNotFoundError:
         return []
-    return list(records_in(data.decode("utf-8", errors="replace")))
+    return list(records_in(data.decode("utf-8", errors="replace"), str(path)))
 
 
-def records_in(text: str) -> Iterator[Record]:
-    for line in text.splitlines():
-        record = parse(line) if line.strip() else None
+def records_in(text: str, source: str = LEDGER_NAME) -> Iterator[Record]:
+    """The records of a ledger's text; each malformed line is skipped with one WARNING
+    naming `source` and the line number (the ledger never stops a run)."""
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = parse(line)
+        except BadLine as e:
+            log.warning("loopkit: %s:%d: skipped a malformed goodput ledger line: %s",
+                        source, number, e)
+            continue
         if record is not None:
             yield record
 

@@ -15,15 +15,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from loopkit.plugins.goodput.records import (
-    Hang, Record, Rollback, Start, Stop, Window, read_records,
-)
+from loopkit.plugins.goodput.records import Record, read_records
+from loopkit.plugins.goodput.sessions import FINISHED, LedgerSession, group, is_running
 
 __all__ = ["CAUSES", "DEFAULT_MTBI_SECS", "MAX_SAVE_SECS", "FINISHED", "GoodputReport",
-           "UNINTERRUPTED_MTBI_SECS", "UNMEASURED_SAVE_SECS", "format_report", "goodput", "summarise", "young_daly"]
+           "UNINTERRUPTED_MTBI_SECS", "UNMEASURED_SAVE_SECS", "format_report", "goodput",
+           "read_sessions", "summarise", "summarise_sessions", "young_daly"]
 
 CAUSES = ("startup", "restore", "compile", "recompute", "checkpoint", "input", "timers",
           "downtime", "hang")
@@ -41,8 +42,6 @@ ASSUMED_SAVE_COST_SECS = 1.0
 #: the longest interval before the first measured save: a run's first save comes soon,
 #: since it measures the cost every later interval is picked from
 UNMEASURED_SAVE_SECS = 60.0
-#: stop reasons of a session that finished its work (not an interruption)
-FINISHED = ("max_steps", "data_exhausted", "requested")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +70,10 @@ class GoodputReport:
     suggested_save_secs: float
     #: the mean time from a save's hold to durable (the lower bound of "auto")
     commit_secs: float | None = None
+    #: the last session still runs (`sessions.is_running`): not an interruption
+    running: bool = False
+    #: when the ledger's last record was written (wall clock), None for an empty ledger
+    last_record_time: float | None = None
 
     def badput_secs(self) -> float:
         """Every cause's seconds, added up (the timers' too)."""
@@ -94,60 +97,17 @@ def young_daly(save_cost_secs: float | None, mtbi_secs: float | None,
     return min(MAX_SAVE_SECS, max(interval, commit_secs or 0.0, 1.0))
 
 
-@dataclasses.dataclass
-class _Session:
-    start: Start | None = None
-    windows: list[Window] = dataclasses.field(default_factory=list)
-    rollbacks: list[Rollback] = dataclasses.field(default_factory=list)
-    hang: Hang | None = None
-    stop: Stop | None = None
-    last_time: float = 0.0
-    last_step: int | None = None
-
-    def step_time(self) -> float:
-        steps, secs, prev = 0, 0.0, self.first_window_step()
-        for w in self.windows:
-            if w.step is not None and prev is not None:
-                steps += max(0, w.step - prev)
-                prev = w.step
-            secs += w.step_secs
-        return secs / steps if steps else 0.0
-
-    def first_window_step(self) -> int | None:
-        s = self.start
-        if s is None or s.step is None:
-            return None
-        return s.step + (1 if s.first_step_secs is not None else 0)
+def summarise(records: Sequence[Record], running: bool = False) -> GoodputReport:
+    """The `GoodputReport` of a ledger's records; `running`: the last session, if it
+    has no stop record, still runs (else it counts as an interruption)."""
+    sessions = group(records)
+    if sessions and running:
+        sessions[-1].running = sessions[-1].stop is None and sessions[-1].hang is None
+    return summarise_sessions(sessions)
 
 
-def _sessions(records: Sequence[Record]) -> list[_Session]:
-    sessions: list[_Session] = []
-    for r in records:
-        if isinstance(r, Start):
-            sessions.append(_Session(start=r, last_time=r.time, last_step=r.step))
-            continue
-        if not sessions or sessions[-1].stop is not None:
-            continue  # a restart between sessions, or a line without its session's start
-        s = sessions[-1]
-        if isinstance(r, Window):  # Stop too
-            s.windows.append(r)
-            if isinstance(r, Stop):
-                s.stop = r
-        elif isinstance(r, Rollback):
-            s.rollbacks.append(r)
-        elif isinstance(r, Hang):
-            s.hang = r
-        else:
-            continue
-        s.last_time = max(s.last_time, r.time)
-        if r.step is not None and not isinstance(r, Hang):
-            s.last_step = r.step
-    return sessions
-
-
-def summarise(records: Sequence[Record]) -> GoodputReport:
-    """The `GoodputReport` of a ledger's records."""
-    sessions = _sessions(records)
+def summarise_sessions(sessions: Sequence[LedgerSession]) -> GoodputReport:
+    """The `GoodputReport` of a ledger's sessions (`sessions.group`)."""
     bad: dict[str, float] = {k: 0.0 for k in CAUSES if k != "timers"}
     timers: dict[str, float] = {}
     step_secs = 0.0
@@ -159,11 +119,12 @@ def summarise(records: Sequence[Record]) -> GoodputReport:
     all_steps = 0
     for i, s in enumerate(sessions):
         st = s.start
-        assert st is not None
         first = st.first_step_secs or 0.0
         bad["restore"] += st.restore_secs
         bad["compile"] += first
-        bad["startup"] += max(0.0, st.time - st.process_start - st.restore_secs - first)
+        bad["input"] += st.input_secs  # opening the data, the wait for the first batch
+        bad["startup"] += max(0.0, st.time - st.process_start - st.restore_secs
+                              - st.input_secs - first)
         prev = s.first_window_step()
         for w in s.windows:
             step_secs += w.step_secs
@@ -183,11 +144,9 @@ def summarise(records: Sequence[Record]) -> GoodputReport:
         for r in s.rollbacks:
             rollbacks += 1
             bad["recompute"] += max(0, (r.step or 0) - r.to_step) * mean_step
+        interruptions += s.interrupted  # the last session too: a crash is a crash
         if i + 1 < len(sessions):
             nxt = sessions[i + 1]
-            assert nxt.start is not None
-            if s.stop is None or s.stop.reason not in FINISHED:
-                interruptions += 1
             if s.last_step is not None and nxt.start.step is not None:
                 bad["recompute"] += max(0, s.last_step - nxt.start.step) * mean_step
             gap = max(0.0, nxt.start.process_start - s.last_time)
@@ -201,10 +160,10 @@ def summarise(records: Sequence[Record]) -> GoodputReport:
     bad["recompute"] = min(bad["recompute"], step_secs)
     productive = step_secs - bad["recompute"]
     wall = 0.0
+    last_time = None
     if sessions:
-        first = sessions[0].start
-        assert first is not None
-        wall = max(s.last_time for s in sessions) - first.process_start
+        last_time = max(s.last_time for s in sessions)
+        wall = last_time - sessions[0].start.process_start
     mtbi = wall / interruptions if interruptions else None
     normal = quiet_secs / quiet_steps if quiet_steps else step_secs / max(1, all_steps)
     cost = None
@@ -222,17 +181,29 @@ def summarise(records: Sequence[Record]) -> GoodputReport:
         suggested_save_secs=young_daly(cost, mtbi if mtbi is not None
                                        else max(wall, UNINTERRUPTED_MTBI_SECS), commit_mean),
         commit_secs=commit_mean,
+        running=bool(sessions) and sessions[-1].running, last_record_time=last_time,
     )
 
 
 def goodput(logdir: Path | str) -> GoodputReport:
     """Where `logdir`'s wall time went, from its ledger (``logdir/goodput.jsonl``).
 
-    An empty or missing ledger gives a report of zeros.
+    An empty or missing ledger gives a report of zeros. A malformed line is skipped
+    with a warning naming the file and the line. The last session counts as an
+    interruption unless it still runs (`sessions.is_running`).
     """
+    return summarise_sessions(read_sessions(logdir))
+
+
+def read_sessions(logdir: Path | str) -> list[LedgerSession]:
+    """`logdir`'s ledger by session, the last one marked running when it still runs."""
     from loopkit.storage import normalise
 
-    return summarise(read_records(normalise(logdir, "logdir")))
+    logdir = normalise(logdir, "logdir")
+    sessions = group(read_records(logdir))
+    if sessions:
+        sessions[-1].running = is_running(logdir, sessions[-1])
+    return sessions
 
 
 def _hms(secs: float | None) -> str:
@@ -246,11 +217,24 @@ def _hms(secs: float | None) -> str:
         f"{int(rest // 60)}m{rest % 60:04.1f}s"
 
 
+def _live(report: GoodputReport) -> str:
+    if not report.running or report.last_record_time is None:
+        return ""
+    return f"  (running: last record {_ago(time.time() - report.last_record_time)} ago)"
+
+
+def _ago(secs: float) -> str:
+    secs = max(0.0, secs)
+    if secs < 120:
+        return f"{secs:.0f} s"
+    return f"{secs / 60:.0f} min" if secs < 7200 else f"{secs / 3600:.1f} h"
+
+
 def format_report(report: GoodputReport) -> str:
     """The report as `loopkit goodput` prints it: a summary, then badput by cause."""
     wall = report.wall_secs or 1.0
     lines = [
-        f"wall        {_hms(report.wall_secs)}",
+        f"wall        {_hms(report.wall_secs)}{_live(report)}",
         f"productive  {_hms(report.productive_secs)}  ({100 * report.fraction:.1f}% goodput)",
         f"sessions {report.sessions}, interruptions {report.interruptions}, "
         f"rollbacks {report.rollbacks}, mean time between interruptions "

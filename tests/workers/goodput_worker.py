@@ -3,7 +3,8 @@
     goodput_worker.py LOGDIR MAX_STEPS KILL_AT CONFIG_JSON
 
 Trains a small MLP; SIGKILLs itself after global step KILL_AT (0: never);
-CONFIG_JSON holds extra `loopkit.train` keywords. Prints "DONE step reason".
+CONFIG_JSON holds extra `loopkit.train` keywords, and "step_sleep": seconds each step
+sleeps after it (a slow run to watch live). Prints "DONE step reason".
 """
 
 import json
@@ -21,6 +22,7 @@ import loopkit
 logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
 logdir, max_steps, kill_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 extra = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
+step_sleep = extra.pop("step_sleep", 0.0)
 
 
 def step(s, b):
@@ -58,10 +60,17 @@ class Kill:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class Slow:
+    @loopkit.hookimpl
+    def after_step(self, step):
+        time.sleep(step_sleep)
+
+
 options = dict(max_steps=max_steps, progress=False, autoload=False,
                save_summaries_secs=None, save_summaries_steps=5,
                save_model_secs=None, save_model_steps=15, checkpoint_backend="npz")
 options.update(extra)
 r = loopkit.train(step, init=init, data=data, logdir=logdir,
-                  plugins=[Kill()] if kill_at else [], **options)
+                  plugins=([Kill()] if kill_at else []) + ([Slow()] if step_sleep else []),
+                  **options)
 print("DONE", r.step, r.stop_reason, flush=True)
