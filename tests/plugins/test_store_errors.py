@@ -1,0 +1,440 @@
+"""A storage error is not a corrupt checkpoint; small files are written whole; stages are owned.
+
+The store that fails is a real filesystem reached as a URL: `FlakyFileSystem`, fsspec's
+local filesystem under the scheme ``flaky://``, whose reads of checkpoint objects raise
+`ConnectionError` a given number of times. Under a URL the checkpoint plugin reads
+through the staged backend (its download, then the orbax read of the staged copy),
+the path every object store takes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import fsspec
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from fsspec.implementations.local import LocalFileSystem
+
+import loopkit
+from loopkit import storage
+from loopkit.fs import atomic_write_bytes
+from loopkit.retry import RETRY_SECS_ENV, is_store_error
+from loopkit.testing import free_port
+
+HERE = Path(__file__).parent
+
+
+class FlakyFileSystem(LocalFileSystem):
+    """Local files as ``flaky:///path``; the next `fails` reads of a checkpoint's objects
+    raise `ConnectionError` (-1: every one)."""
+
+    protocol = ("flaky",)
+    fails = 0
+    failed = 0  # how many reads failed so far
+
+    def __init__(self, **kwargs):
+        super().__init__(**{"auto_mkdir": True, **kwargs})  # as an object store: no mkdir
+
+    def _check(self, path: str) -> None:
+        if "model.ckpt-" in str(path) and self.fails != 0:
+            type(self).fails -= 1 if self.fails > 0 else 0
+            type(self).failed += 1
+            raise ConnectionError(f"injected: connection reset reading {path}")
+
+    def _open(self, path, mode="rb", **kwargs):
+        if "r" in mode:
+            self._check(path)
+        return super()._open(path, mode, **kwargs)
+
+    def get_file(self, path1, path2, callback=None, **kwargs):
+        self._check(path1)
+        return super().get_file(path1, path2, callback=callback, **kwargs)
+
+
+def register(fails: int = 0) -> None:
+    fsspec.register_implementation("flaky", FlakyFileSystem, clobber=True)
+    FlakyFileSystem.fails, FlakyFileSystem.failed = fails, 0
+
+
+def step_fn(state, batch):
+    return {"w": state["w"] + batch, "n": state["n"] + 1}, {"loss": state["w"][0]}
+
+
+def init():
+    return {"w": jnp.zeros((3,), jnp.float32), "n": jnp.zeros((), jnp.int32)}
+
+
+def data(start_step):
+    return (np.full((3,), float(i), np.float32) for i in itertools.count(start_step))
+
+
+class Seen:
+    """The step the session started from, and the steps it trained."""
+
+    def __init__(self):
+        self.start, self.steps = None, []
+
+    @loopkit.hookimpl
+    def session_create(self, session):
+        self.start = session.step
+
+    @loopkit.hookimpl
+    def after_step(self, step):
+        self.steps.append(step)
+
+
+def run(logdir, max_steps, plugins=()):
+    return loopkit.train(step_fn, init=init, data=data, logdir=logdir, max_steps=max_steps,
+                         save_model_steps=3, save_model_secs=None, progress=False,
+                         disable=("summaries",), autoload=False, plugins=list(plugins))
+
+
+@pytest.fixture
+def flaky(tmp_path):
+    """A `flaky://` logdir holding committed checkpoints of steps 3 and 6."""
+    register()
+    url = f"flaky://{tmp_path}/run"
+    run(url, 6)
+    assert loopkit.latest_checkpoint(url)[0] == 6
+    yield url
+    FlakyFileSystem.fails = 0
+
+
+# -- reading at a restore ---------------------------------------------------------------------
+
+
+def test_a_store_that_fails_a_few_reads_restores_the_newest_checkpoint(flaky, caplog):
+    FlakyFileSystem.fails = 3
+    seen = Seen()
+    with caplog.at_level(logging.WARNING, logger="loopkit"):
+        result = run(flaky, 8, [seen])
+    assert FlakyFileSystem.failed == 3 and seen.start == 6 and result.step == 8
+    np.testing.assert_array_equal(np.asarray(result.state["w"]), np.full(3, 28.0))
+    retries = [r.getMessage() for r in caplog.records if "trying again" in r.getMessage()]
+    assert len(retries) == 3 and "model.ckpt-6" in retries[0], retries
+    assert "ConnectionError: injected" in retries[0]
+    assert not any("unreadable" in r.getMessage() for r in caplog.records)
+
+
+def test_a_store_that_keeps_failing_fails_the_run_and_never_trains_from_an_older_step(
+        flaky, monkeypatch):
+    monkeypatch.setenv(RETRY_SECS_ENV, "1")
+    FlakyFileSystem.fails = -1
+    listed = storage.read_bytes(f"{flaky}/checkpoint")
+    seen = Seen()
+    started = time.monotonic()
+    with pytest.raises(loopkit.CheckpointError) as info:
+        run(flaky, 8, [seen])
+    message = str(info.value)
+    assert "model.ckpt-6" in message and "ConnectionError: injected" in message, message
+    assert f"kept failing for 1 s" in message and RETRY_SECS_ENV in message
+    assert isinstance(info.value.__cause__, ConnectionError)
+    assert time.monotonic() - started < 60
+    # the older checkpoint is there and readable, and was not restored: nothing trained
+    assert seen.start is None and seen.steps == []
+    FlakyFileSystem.fails = 0
+    assert loopkit.load_checkpoint(f"{flaky}/model.ckpt-3")["n"] == 3
+    assert storage.read_bytes(f"{flaky}/checkpoint") == listed
+
+
+@pytest.mark.parametrize("how", ["truncate", "garble"])
+def test_a_corrupt_newest_checkpoint_on_a_store_still_falls_back_with_a_warning(
+        flaky, tmp_path, how, caplog):
+    """Wrong content is no storage error: passed over for the older one, as before."""
+    files = [p for p in (tmp_path / "run" / "model.ckpt-6").rglob("*")
+             if p.is_file() and p.stat().st_size]
+    rng = np.random.default_rng(0)
+    for f in files:
+        if how == "truncate":
+            os.truncate(f, f.stat().st_size // 2)
+        else:
+            f.write_bytes(rng.integers(0, 256, f.stat().st_size, dtype=np.uint8).tobytes())
+    seen = Seen()
+    with caplog.at_level(logging.WARNING, logger="loopkit"):
+        result = run(flaky, 8, [seen])
+    assert seen.start == 3 and result.step == 8
+    assert any("model.ckpt-6 is unreadable" in r.getMessage() for r in caplog.records)
+
+
+def test_a_bad_retry_bound_names_the_variable(flaky, monkeypatch):
+    monkeypatch.setenv(RETRY_SECS_ENV, "soon")
+    FlakyFileSystem.fails = 1
+    with pytest.raises(ValueError, match=f"{RETRY_SECS_ENV}='soon' is not allowed"):
+        run(flaky, 8)
+
+
+def test_real_store_errors_are_told_from_wrong_content(tmp_path):
+    """tensorstore's answers (its errors are ValueError with a status) from a real HTTP
+    server: 503, 429 and a refused connection are the store's; a missing object, a
+    corrupt checkpoint's error and a missing file are content."""
+    import http.server
+
+    import tensorstore as ts
+
+    class Answer(http.server.BaseHTTPRequestHandler):
+        code = 503
+
+        def do_GET(self):
+            self.send_response(Answer.code)
+            self.end_headers()
+            self.wfile.write(b"busy")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    quick = ts.Context({"http_request_retries": {"max_retries": 1, "initial_delay": "1ms",
+                                                 "max_delay": "2ms"}})
+
+    def read(port: int) -> Exception:
+        kv = ts.KvStore.open({"driver": "http", "base_url": f"http://127.0.0.1:{port}/x"},
+                             context=quick).result()
+        with pytest.raises(Exception) as info:
+            kv.read("a").result()
+        return info.value
+
+    try:
+        for code in (503, 500, 429):
+            Answer.code = code
+            error = read(server.server_port)
+            assert is_store_error(error), error
+        Answer.code = 403
+        assert is_store_error(read(server.server_port))
+    finally:
+        server.shutdown()
+        server.server_close()
+    refused = read(free_port())
+    assert "CURL error" in str(refused) and is_store_error(refused)
+    with pytest.raises(OSError) as info:
+        __import__("socket").create_connection(("127.0.0.1", free_port()), timeout=5)
+    assert is_store_error(info.value)  # ConnectionRefusedError
+    try:
+        try:
+            raise TimeoutError("read timed out")
+        except TimeoutError as inner:
+            raise loopkit.CheckpointError("checkpoint x cannot be read") from inner
+    except loopkit.CheckpointError as outer:
+        assert is_store_error(outer)  # a backend's wrapper: the cause decides
+    # content: a file that is not there, a parse that failed, tensorstore's NOT_FOUND
+    with pytest.raises(OSError) as info:
+        open(tmp_path / "missing", "rb")
+    assert not is_store_error(info.value)
+    with pytest.raises(ValueError) as info:
+        json.loads("{trunc")
+    assert not is_store_error(info.value)
+    kv = ts.KvStore.open({"driver": "file", "path": str(tmp_path / "ts/")}).result()
+    kv.write("a", b"not zarr").result()
+    with pytest.raises(ValueError) as info:
+        ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(tmp_path / "ts/")}},
+                open=True).result()
+    assert not is_store_error(info.value), info.value
+
+
+# -- several processes -------------------------------------------------------------------------
+
+TWO = textwrap.dedent("""
+    import os, sys
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    me = int(sys.argv[2])
+    jax.distributed.initialize(f"127.0.0.1:{sys.argv[3]}", 2, me, initialization_timeout=60)
+    sys.path.insert(0, HERE)
+    from test_store_errors import register, run, Seen
+    fails = sys.argv[4].split(",")[me]
+    register(int(fails))
+
+    class Say(Seen):
+        def after_step(self, step):
+            print("STEP", step, flush=True)
+
+    seen = Say()
+    try:
+        result = run(sys.argv[1], int(sys.argv[5]), [seen])
+    except Exception as ex:
+        import loopkit
+        kind = "CheckpointError" if isinstance(ex, loopkit.CheckpointError) else "other"
+        print("RAISED", kind, ex, flush=True)
+        raise
+    print("RESULT", seen.start, result.step, flush=True)
+    jax.distributed.shutdown()
+""")
+
+
+def _two(tmp_path, url, fails, max_steps):
+    """Run a two-process job on `url`; each process's exit code and output."""
+    script = tmp_path / "two.py"
+    script.write_text(TWO.replace("HERE", repr(str(HERE))))
+    port = free_port()
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", RETRY_SECS_ENV: "2"}
+    outs = [open(tmp_path / f"p{i}-{port}.out", "w+") for i in range(2)]
+    procs = [subprocess.Popen([sys.executable, str(script), url, str(i), str(port), fails,
+                               str(max_steps)], env=env, stdout=outs[i],
+                              stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    try:
+        for p in procs:
+            p.wait(timeout=200)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    texts = []
+    for f in outs:
+        f.seek(0)
+        texts.append(f.read())
+        f.close()
+    return [p.returncode for p in procs], texts
+
+
+@pytest.mark.timeout(420)
+def test_a_store_failing_on_one_process_fails_every_process_and_none_falls_back(tmp_path):
+    """Process 1's reads keep failing: both raise CheckpointError (each saying what it
+    knows), neither restores the older step 3 nor trains, and no collective hangs."""
+    url = f"flaky://{tmp_path}/run"
+    codes, texts = _two(tmp_path, url, "0,0", 6)
+    assert codes == [0, 0], texts
+    codes, texts = _two(tmp_path, url, "0,-1", 9)
+    assert 0 not in codes, texts
+    assert re.search(r"RAISED CheckpointError \w+ checkpoint .*model\.ckpt-6 failed: the store "
+                     "kept failing for 2 s", texts[1]), texts[1][-3000:]
+    assert "ConnectionError: injected" in texts[1]
+    assert re.search(r"RAISED CheckpointError .*model\.ckpt-6 failed on another process",
+                     texts[0]), texts[0][-3000:]
+    for text in texts:
+        assert "STEP" not in text and "RESULT" not in text, text[-3000:]
+        assert "unreadable" not in text, text[-3000:]
+    register()
+    assert loopkit.latest_checkpoint(url)[0] == 6
+
+
+# -- small files -------------------------------------------------------------------------------
+
+
+def test_two_threads_writing_one_small_file_never_collide_and_leave_no_temporary(tmp_path):
+    target = tmp_path / "checkpoint"
+    errors: list[BaseException] = []
+    start = threading.Barrier(4)
+
+    def write(i: int) -> None:
+        start.wait()
+        try:
+            for n in range(200):
+                atomic_write_bytes(target, f"writer {i} write {n}\n".encode() * 50)
+        except BaseException as ex:  # noqa: BLE001 - the test reports it
+            errors.append(ex)
+
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    lines = set(target.read_text().splitlines())
+    assert len(lines) == 1 and re.fullmatch(r"writer \d write 199", lines.pop())
+    assert os.listdir(tmp_path) == ["checkpoint"]
+
+
+def test_a_failed_small_file_write_leaves_no_temporary(tmp_path):
+    (tmp_path / "checkpoint").mkdir()  # a directory where the file goes: the rename fails
+    with pytest.raises(IsADirectoryError):
+        storage.write_atomic(tmp_path / "checkpoint", b"model_checkpoint_path: \"x\"\n")
+    assert os.listdir(tmp_path) == ["checkpoint"]
+    assert os.listdir(tmp_path / "checkpoint") == []
+
+
+def test_a_small_file_keeps_the_usual_permissions(tmp_path):
+    old = os.umask(0o022)
+    try:
+        atomic_write_bytes(tmp_path / "status.json", b"{}")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "status.json").stat().st_mode & 0o777 == 0o644
+
+
+# -- staging directories -----------------------------------------------------------------------
+
+OWNER = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from loopkit.plugins.checkpoint.backends.temporaries import own_directory
+    path, fd = own_directory(Path(sys.argv[1]), "loopkit-stage-1-")
+    (path / "model.ckpt-5").mkdir()
+    print(path, flush=True)
+    time.sleep(600)
+""")
+
+
+def test_a_stage_is_removed_only_once_its_owner_is_gone(tmp_path, monkeypatch):
+    """Judged by the lock its owner holds, not a process id: the stage of a live process
+    (whatever its pid) is kept, a killed one's is removed, and so is one from before the
+    lock (no lock file). The cleaner is the staged backend's start."""
+    import tempfile
+
+    from loopkit.plugins.checkpoint.backends.staged import StagedBackend
+    from loopkit.plugins.checkpoint.backends.npz import NpzBackend
+
+    root = tmp_path / "tmp"
+    root.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(root))
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, str(root)], stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        live = Path(owner.stdout.readline().strip())
+        assert live.parent == root and (live / "model.ckpt-5").is_dir()
+        legacy = root / f"loopkit-stage-{os.getpid()}-old"  # this pid, yet no owner holds it
+        (legacy / "model.ckpt-3").mkdir(parents=True)
+        other = root / "unrelated"
+        other.mkdir()
+        register()
+        backend = StagedBackend(f"flaky://{tmp_path}/run", "model.ckpt", NpzBackend)
+        try:
+            assert live.exists() and not legacy.exists() and other.exists()
+            mine = backend._stage
+            # a second backend (another process, or this one) keeps the first one's stage
+            second = StagedBackend(f"flaky://{tmp_path}/run", "model.ckpt", NpzBackend)
+            assert mine.exists() and live.exists()
+            second.close()
+        finally:
+            backend.close()
+        assert not mine.exists()
+        owner.send_signal(signal.SIGKILL)
+        owner.wait(timeout=30)
+        StagedBackend(f"flaky://{tmp_path}/run", "model.ckpt", NpzBackend).close()
+        assert sorted(p.name for p in root.iterdir()) == ["unrelated"]
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait()
+
+
+# -- the local tier's directory ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("inside", [False, True])
+def test_a_local_checkpoint_dir_that_is_a_file_fails_naming_the_field(tmp_path, inside):
+    file = tmp_path / "local"
+    file.write_text("not a directory")
+    local = file / "tier" if inside else file
+    with pytest.raises(ValueError) as info:
+        loopkit.train(step_fn, init=init, data=data, logdir=tmp_path / "run", max_steps=3,
+                      local_checkpoint_dir=local, progress=False)
+    message = str(info.value)
+    assert f"Config.local_checkpoint_dir={str(local)!r}" in message, message
+    assert "existing file" in message and "expected a directory" in message
+    if inside:
+        assert f"is inside {str(file)!r}" in message
