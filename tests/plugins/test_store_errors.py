@@ -38,18 +38,19 @@ HERE = Path(__file__).parent
 
 
 class FlakyFileSystem(LocalFileSystem):
-    """Local files as ``flaky:///path``; the next `fails` reads of a checkpoint's objects
-    raise `ConnectionError` (-1: every one)."""
+    """Local files as ``flaky:///path``; the next `fails` reads of the objects whose path
+    holds `target` (a checkpoint's) raise `ConnectionError` (-1: every one)."""
 
     protocol = ("flaky",)
     fails = 0
+    target = "model.ckpt-"
     failed = 0  # how many reads failed so far
 
     def __init__(self, **kwargs):
         super().__init__(**{"auto_mkdir": True, **kwargs})  # as an object store: no mkdir
 
     def _check(self, path: str) -> None:
-        if "model.ckpt-" in str(path) and self.fails != 0:
+        if self.target in str(path) and self.fails != 0:
             type(self).fails -= 1 if self.fails > 0 else 0
             type(self).failed += 1
             raise ConnectionError(f"injected: connection reset reading {path}")
@@ -67,6 +68,7 @@ class FlakyFileSystem(LocalFileSystem):
 def register(fails: int = 0) -> None:
     fsspec.register_implementation("flaky", FlakyFileSystem, clobber=True)
     FlakyFileSystem.fails, FlakyFileSystem.failed = fails, 0
+    FlakyFileSystem.target = "model.ckpt-"
 
 
 def step_fn(state, batch):
@@ -132,7 +134,7 @@ def test_a_store_that_fails_a_few_reads_restores_the_newest_checkpoint(flaky, ca
 def test_a_store_that_keeps_failing_fails_the_run_and_never_trains_from_an_older_step(
         flaky, monkeypatch):
     monkeypatch.setenv(RETRY_SECS_ENV, "1")
-    FlakyFileSystem.fails = -1
+    FlakyFileSystem.fails, FlakyFileSystem.target = -1, "model.ckpt-6/"  # step 3 reads
     listed = storage.read_bytes(f"{flaky}/checkpoint")
     seen = Seen()
     started = time.monotonic()
@@ -145,7 +147,6 @@ def test_a_store_that_keeps_failing_fails_the_run_and_never_trains_from_an_older
     assert time.monotonic() - started < 60
     # the older checkpoint is there and readable, and was not restored: nothing trained
     assert seen.start is None and seen.steps == []
-    FlakyFileSystem.fails = 0
     assert loopkit.load_checkpoint(f"{flaky}/model.ckpt-3")["n"] == 3
     assert storage.read_bytes(f"{flaky}/checkpoint") == listed
 
@@ -244,6 +245,48 @@ def test_real_store_errors_are_told_from_wrong_content(tmp_path):
     assert not is_store_error(info.value), info.value
 
 
+def test_a_store_failing_at_a_rollback_fails_the_run_instead_of_an_older_checkpoint(
+        tmp_path, monkeypatch):
+    """The rollback's read is a restore too: the durable step 4 (on the failing store) is
+    the newest before the bad step 5; the local tier's older step 3 is not read instead."""
+    monkeypatch.setenv(RETRY_SECS_ENV, "1")
+    register()
+
+    def poisoned(start):
+        return (np.full((3,), np.nan if i == 5 else float(i), np.float32)
+                for i in itertools.count(start))
+
+    class FailAfterTheSave:
+        @loopkit.hookimpl
+        def after_step(self, step):
+            if step == 4:
+                FlakyFileSystem.fails = -1  # reads only: the save of step 4 still uploads
+
+    rolled = []
+
+    class Rolled:
+        @loopkit.hookimpl
+        def on_rollback(self, record):
+            rolled.append(record)
+
+    url = f"flaky://{tmp_path}/run"
+    try:
+        with pytest.raises(loopkit.CheckpointError) as info:
+            loopkit.train(lambda s, b: ({"w": s["w"] + b}, {"loss": jnp.sum(b)}),
+                          init=lambda: {"w": jnp.zeros((3,), jnp.float32)}, data=poisoned,
+                          logdir=url, max_steps=12, save_model_steps=4, save_model_secs=None,
+                          local_checkpoint_dir=tmp_path / "local", save_local_steps=3,
+                          save_local_secs=None, nan_guard="loss", on_guard="rollback",
+                          progress=False, plugins=[FailAfterTheSave(), Rolled()])
+    finally:
+        FlakyFileSystem.fails = 0
+    message = str(info.value)
+    assert "model.ckpt-4 failed: the store kept failing" in message, message
+    assert "ConnectionError: injected" in message
+    assert rolled == []
+    assert loopkit.latest_checkpoint(tmp_path / "local")[0] == 3  # there, and not read
+
+
 # -- several processes -------------------------------------------------------------------------
 
 TWO = textwrap.dedent("""
@@ -254,9 +297,10 @@ TWO = textwrap.dedent("""
     me = int(sys.argv[2])
     jax.distributed.initialize(f"127.0.0.1:{sys.argv[3]}", 2, me, initialization_timeout=60)
     sys.path.insert(0, HERE)
-    from test_store_errors import register, run, Seen
+    from test_store_errors import FlakyFileSystem, register, run, Seen
     fails = sys.argv[4].split(",")[me]
     register(int(fails))
+    FlakyFileSystem.target = sys.argv[6]
 
     class Say(Seen):
         def after_step(self, step):
@@ -275,7 +319,7 @@ TWO = textwrap.dedent("""
 """)
 
 
-def _two(tmp_path, url, fails, max_steps):
+def _two(tmp_path, url, fails, max_steps, target="model.ckpt-"):
     """Run a two-process job on `url`; each process's exit code and output."""
     script = tmp_path / "two.py"
     script.write_text(TWO.replace("HERE", repr(str(HERE))))
@@ -283,7 +327,7 @@ def _two(tmp_path, url, fails, max_steps):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", RETRY_SECS_ENV: "2"}
     outs = [open(tmp_path / f"p{i}-{port}.out", "w+") for i in range(2)]
     procs = [subprocess.Popen([sys.executable, str(script), url, str(i), str(port), fails,
-                               str(max_steps)], env=env, stdout=outs[i],
+                               str(max_steps), target], env=env, stdout=outs[i],
                               stderr=subprocess.STDOUT, text=True) for i in range(2)]
     try:
         for p in procs:
@@ -303,12 +347,13 @@ def _two(tmp_path, url, fails, max_steps):
 
 @pytest.mark.timeout(420)
 def test_a_store_failing_on_one_process_fails_every_process_and_none_falls_back(tmp_path):
-    """Process 1's reads keep failing: both raise CheckpointError (each saying what it
-    knows), neither restores the older step 3 nor trains, and no collective hangs."""
+    """Process 1's reads of step 6 keep failing: both raise CheckpointError (each saying
+    what it knows), neither restores the older step 3 nor trains, and no collective
+    hangs."""
     url = f"flaky://{tmp_path}/run"
     codes, texts = _two(tmp_path, url, "0,0", 6)
     assert codes == [0, 0], texts
-    codes, texts = _two(tmp_path, url, "0,-1", 9)
+    codes, texts = _two(tmp_path, url, "0,-1", 9, "model.ckpt-6/")  # step 3 reads
     assert 0 not in codes, texts
     assert re.search(r"RAISED CheckpointError \w+ checkpoint .*model\.ckpt-6 failed: the store "
                      "kept failing for 2 s", texts[1]), texts[1][-3000:]
