@@ -52,7 +52,8 @@ _NAMES = {"ClientConnectionError", "ServerDisconnectedError", "ServerTimeoutErro
           "EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError",
           "ConnectionClosedError", "HTTPClientError", "ProtocolError", "ChunkedEncodingError",
           "ServiceUnavailable", "TooManyRequests", "InternalServerError", "GatewayTimeout",
-          "TransportError", "RetryError"}
+          "TransportError", "RetryError", "RefreshError", "DefaultCredentialsError",
+          "NoCredentialsError", "PartialCredentialsError"}
 _CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout",
           "RequestTimeTooSkewed", "InternalError", "ServiceUnavailable", "503", "500",
           "RequestLimitExceeded", "TooManyRequests"}
@@ -81,20 +82,25 @@ def _one_is_store_error(ex: BaseException) -> bool:
     if any(t.__name__ in _NAMES for t in type(ex).__mro__):
         return True
     status = getattr(ex, "code", None) or getattr(ex, "status", None)
-    if isinstance(status, int) and (status >= 500 or status == 429):
-        return True  # gcsfs's HttpError, google.api_core's errors
+    if _store_status(status):
+        return True  # gcsfs's HttpError, aiohttp's and google.api_core's errors
     response = getattr(ex, "response", None)  # botocore's ClientError
     if isinstance(response, dict):
         error = response.get("Error") or {}
         http = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
-        return str(error.get("Code")) in _CODES or (isinstance(http, int)
-                                                    and (http >= 500 or http == 429))
+        return str(error.get("Code")) in _CODES or _store_status(http)
     if isinstance(ex, ValueError):  # tensorstore's
         text = str(ex)
         if _TS_NOT_FOUND.search(text):
             return False
         return bool(_TS_STORE.search(text) or _HTTP_STORE.search(text))
     return False
+
+
+def _store_status(status: object) -> bool:
+    """Whether an HTTP status is the store's answer (a server error, throttling, a
+    timeout, refused credentials) rather than one about the object (404: missing)."""
+    return isinstance(status, int) and (status >= 500 or status in (401, 403, 408, 429))
 
 
 def retry_secs() -> float:

@@ -108,6 +108,9 @@ def find_local(backend: CheckpointBackend, steps: Collection[int], state: Checkp
 
 #: what a process's read came to, agreed as the worst over processes (`_worst`)
 _READ, _UNREADABLE, _STORE = 0, 1, 2
+#: what a read that met a store error for the whole retry bound says to do
+_ADVICE = ("Not falling back on an older checkpoint (this one may be fine): restart once "
+           "the store answers")
 
 
 def read_together(backend: CheckpointBackend, step: int, like: Any, where: str,
@@ -122,7 +125,10 @@ def read_together(backend: CheckpointBackend, step: int, like: Any, where: str,
     unreadable anywhere (`failed((step, error))` gets this process's error). An error
     of the store, retried here on each process alone, raises `CheckpointError` on every
     process, wherever it happened. Every process runs the same collectives here
-    (one, or two when the downloads succeeded everywhere), whatever fails."""
+    (one, or two when the downloads succeeded everywhere), whatever fails. (Retrying
+    alone keeps them in order: a download has none, and a read's one, orbax's closing
+    barrier, comes after the reads that may fail, so each process reaches it once; a
+    collective's own error is jax's RuntimeError, never retried.)"""
     def download() -> None:
         before()
         fetch = getattr(backend, "fetch", None)
@@ -148,14 +154,9 @@ def read_together(backend: CheckpointBackend, step: int, like: Any, where: str,
             raise mine
         raise CheckpointError(
             f"reading checkpoint {where} failed on another process: an error of the store "
-            "(that process's output names it). Not falling back on an older checkpoint: "
-            "restart once the store answers") from mine
+            f"(that process's output names it). {_ADVICE}") from mine
     return found if outcome == _READ else None
 
-
-#: what a read that met a store error for the whole retry bound says to do
-_ADVICE = ("Not falling back on an older checkpoint (this one may be fine): restart once "
-           "the store answers")
 
 
 def _judged(where: str, step: int, ex: BaseException, failed: Callable[[Any], Any]) -> int:

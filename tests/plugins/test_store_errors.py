@@ -230,6 +230,20 @@ def test_real_store_errors_are_told_from_wrong_content(tmp_path):
             raise loopkit.CheckpointError("checkpoint x cannot be read") from inner
     except loopkit.CheckpointError as outer:
         assert is_store_error(outer)  # a backend's wrapper: the cause decides
+    # the clients' own error classes, built as they build them from an answer
+    from botocore.exceptions import ClientError, EndpointConnectionError
+    from gcsfs.retry import HttpError
+
+    def s3(code: str, http: int) -> ClientError:
+        return ClientError({"Error": {"Code": code, "Message": "m"},
+                            "ResponseMetadata": {"HTTPStatusCode": http}}, "GetObject")
+
+    assert is_store_error(s3("SlowDown", 503)) and is_store_error(s3("InternalError", 500))
+    assert is_store_error(EndpointConnectionError(endpoint_url="http://127.0.0.1:1"))
+    assert not is_store_error(s3("NoSuchKey", 404))
+    assert is_store_error(HttpError({"code": 503, "message": "backend error"}))
+    assert is_store_error(HttpError({"code": 401, "message": "invalid credentials"}))
+    assert not is_store_error(HttpError({"code": 400, "message": "bad request"}))
     # content: a file that is not there, a parse that failed, tensorstore's NOT_FOUND
     with pytest.raises(OSError) as info:
         open(tmp_path / "missing", "rb")
