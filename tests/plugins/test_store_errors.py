@@ -2,9 +2,9 @@
 
 The store that fails is a real filesystem reached as a URL: `FlakyFileSystem`, fsspec's
 local filesystem under the scheme ``flaky://``, whose reads of checkpoint objects raise
-`ConnectionError` a given number of times. Under a URL the checkpoint plugin reads
-through the staged backend (its download, then the orbax read of the staged copy),
-the path every object store takes.
+`ConnectionError` (and its writes `TimeoutError`) a given number of times. Under a URL
+the checkpoint plugin reads through the staged backend (its download, then the orbax
+read of the staged copy) and saves through its upload, the path every object store takes.
 """
 
 from __future__ import annotations
@@ -58,7 +58,23 @@ class FlakyFileSystem(LocalFileSystem):
     def _open(self, path, mode="rb", **kwargs):
         if "r" in mode:
             self._check(path)
+        else:
+            self._check_write(path)
         return super()._open(path, mode, **kwargs)
+
+    #: the next `write_fails` writes of objects whose path holds `write_target` fail
+    write_fails = 0
+    write_target = "model.ckpt-"
+
+    def _check_write(self, path: str) -> None:
+        if self.write_target in str(path) and self.write_fails != 0:
+            type(self).write_fails -= 1 if self.write_fails > 0 else 0
+            type(self).failed += 1
+            raise TimeoutError(f"injected: timed out writing {path}")
+
+    def put_file(self, path1, path2, callback=None, **kwargs):
+        self._check_write(path2)
+        return super().put_file(path1, path2, callback=callback, **kwargs)
 
     def get_file(self, path1, path2, callback=None, **kwargs):
         self._check(path1)
@@ -69,6 +85,7 @@ def register(fails: int = 0) -> None:
     fsspec.register_implementation("flaky", FlakyFileSystem, clobber=True)
     FlakyFileSystem.fails, FlakyFileSystem.failed = fails, 0
     FlakyFileSystem.target = "model.ckpt-"
+    FlakyFileSystem.write_fails, FlakyFileSystem.write_target = 0, "model.ckpt-"
 
 
 def step_fn(state, batch):
@@ -149,6 +166,39 @@ def test_a_store_that_keeps_failing_fails_the_run_and_never_trains_from_an_older
     assert seen.start is None and seen.steps == []
     assert loopkit.load_checkpoint(f"{flaky}/model.ckpt-3")["n"] == 3
     assert storage.read_bytes(f"{flaky}/checkpoint") == listed
+
+
+# -- writing at a save ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("target", ["model.ckpt-", "/checkpoint"])
+def test_a_save_retries_an_upload_that_fails_a_few_times(tmp_path, target, caplog):
+    """The staged backend's upload of a checkpoint's objects, and the `checkpoint` file
+    written on a URL: a few timeouts, and the save still commits."""
+    register()
+    FlakyFileSystem.write_fails, FlakyFileSystem.write_target = 2, target
+    url = f"flaky://{tmp_path}/run"
+    with caplog.at_level(logging.WARNING, logger="loopkit"):
+        result = run(url, 6)
+    assert result.step == 6 and FlakyFileSystem.failed == 2
+    retries = [r.getMessage() for r in caplog.records if "trying again" in r.getMessage()]
+    assert len(retries) == 2 and "TimeoutError: injected" in retries[0], retries
+    assert loopkit.latest_checkpoint(url)[0] == 6
+    assert loopkit.load_checkpoint(url)["n"] == 6
+
+
+def test_a_save_whose_upload_keeps_failing_fails_the_run_naming_it(tmp_path, monkeypatch):
+    monkeypatch.setenv(RETRY_SECS_ENV, "1")
+    register()
+    FlakyFileSystem.write_fails, FlakyFileSystem.write_target = -1, "model.ckpt-6/"
+    url = f"flaky://{tmp_path}/run"
+    with pytest.raises(loopkit.CheckpointError) as info:
+        run(url, 8)
+    message = str(info.value)
+    assert re.search(r"uploading \S+/model\.ckpt-6 failed: the store kept failing for 1 s",
+                     message), message
+    assert "TimeoutError: injected" in message
+    assert loopkit.latest_checkpoint(url)[0] == 3  # step 6 was never named
 
 
 @pytest.mark.parametrize("how", ["truncate", "garble"])
