@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import re
-import signal
 import subprocess
 import sys
 import textwrap
@@ -30,7 +29,6 @@ from fsspec.implementations.local import LocalFileSystem
 
 import loopkit
 from loopkit import storage
-from loopkit.fs import atomic_write_bytes
 from loopkit.retry import RETRY_SECS_ENV, is_store_error
 from loopkit.testing import free_port
 
@@ -166,39 +164,6 @@ def test_a_store_that_keeps_failing_fails_the_run_and_never_trains_from_an_older
     assert seen.start is None and seen.steps == []
     assert loopkit.load_checkpoint(f"{flaky}/model.ckpt-3")["n"] == 3
     assert storage.read_bytes(f"{flaky}/checkpoint") == listed
-
-
-# -- writing at a save ---------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("target", ["model.ckpt-", "/checkpoint"])
-def test_a_save_retries_an_upload_that_fails_a_few_times(tmp_path, target, caplog):
-    """The staged backend's upload of a checkpoint's objects, and the `checkpoint` file
-    written on a URL: a few timeouts, and the save still commits."""
-    register()
-    FlakyFileSystem.write_fails, FlakyFileSystem.write_target = 2, target
-    url = f"flaky://{tmp_path}/run"
-    with caplog.at_level(logging.WARNING, logger="loopkit"):
-        result = run(url, 6)
-    assert result.step == 6 and FlakyFileSystem.failed == 2
-    retries = [r.getMessage() for r in caplog.records if "trying again" in r.getMessage()]
-    assert len(retries) == 2 and "TimeoutError: injected" in retries[0], retries
-    assert loopkit.latest_checkpoint(url)[0] == 6
-    assert loopkit.load_checkpoint(url)["n"] == 6
-
-
-def test_a_save_whose_upload_keeps_failing_fails_the_run_naming_it(tmp_path, monkeypatch):
-    monkeypatch.setenv(RETRY_SECS_ENV, "1")
-    register()
-    FlakyFileSystem.write_fails, FlakyFileSystem.write_target = -1, "model.ckpt-6/"
-    url = f"flaky://{tmp_path}/run"
-    with pytest.raises(loopkit.CheckpointError) as info:
-        run(url, 8)
-    message = str(info.value)
-    assert re.search(r"uploading \S+/model\.ckpt-6 failed: the store kept failing for 1 s",
-                     message), message
-    assert "TimeoutError: injected" in message
-    assert loopkit.latest_checkpoint(url)[0] == 3  # step 6 was never named
 
 
 @pytest.mark.parametrize("how", ["truncate", "garble"])
@@ -351,6 +316,39 @@ def test_a_store_failing_at_a_rollback_fails_the_run_instead_of_an_older_checkpo
     assert loopkit.latest_checkpoint(tmp_path / "local")[0] == 3  # there, and not read
 
 
+# -- writing at a save ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("target", ["model.ckpt-", "/checkpoint"])
+def test_a_save_retries_an_upload_that_fails_a_few_times(tmp_path, target, caplog):
+    """The staged backend's upload of a checkpoint's objects, and the `checkpoint` file
+    written on a URL: a few timeouts, and the save still commits."""
+    register()
+    FlakyFileSystem.write_fails, FlakyFileSystem.write_target = 2, target
+    url = f"flaky://{tmp_path}/run"
+    with caplog.at_level(logging.WARNING, logger="loopkit"):
+        result = run(url, 6)
+    assert result.step == 6 and FlakyFileSystem.failed == 2
+    retries = [r.getMessage() for r in caplog.records if "trying again" in r.getMessage()]
+    assert len(retries) == 2 and "TimeoutError: injected" in retries[0], retries
+    assert loopkit.latest_checkpoint(url)[0] == 6
+    assert loopkit.load_checkpoint(url)["n"] == 6
+
+
+def test_a_save_whose_upload_keeps_failing_fails_the_run_naming_it(tmp_path, monkeypatch):
+    monkeypatch.setenv(RETRY_SECS_ENV, "1")
+    register()
+    FlakyFileSystem.write_fails, FlakyFileSystem.write_target = -1, "model.ckpt-6/"
+    url = f"flaky://{tmp_path}/run"
+    with pytest.raises(loopkit.CheckpointError) as info:
+        run(url, 8)
+    message = str(info.value)
+    assert re.search(r"uploading \S+/model\.ckpt-6 failed: the store kept failing for 1 s",
+                     message), message
+    assert "TimeoutError: injected" in message
+    assert loopkit.latest_checkpoint(url)[0] == 3  # step 6 was never named
+
+
 # -- several processes -------------------------------------------------------------------------
 
 TWO = textwrap.dedent("""
@@ -429,121 +427,3 @@ def test_a_store_failing_on_one_process_fails_every_process_and_none_falls_back(
         assert "unreadable" not in text, text[-3000:]
     register()
     assert loopkit.latest_checkpoint(url)[0] == 6
-
-
-# -- small files -------------------------------------------------------------------------------
-
-
-def test_two_threads_writing_one_small_file_never_collide_and_leave_no_temporary(tmp_path):
-    target = tmp_path / "checkpoint"
-    errors: list[BaseException] = []
-    start = threading.Barrier(4)
-
-    def write(i: int) -> None:
-        start.wait()
-        try:
-            for n in range(200):
-                atomic_write_bytes(target, f"writer {i} write {n}\n".encode() * 50)
-        except BaseException as ex:  # noqa: BLE001 - the test reports it
-            errors.append(ex)
-
-    threads = [threading.Thread(target=write, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert not errors, errors
-    lines = set(target.read_text().splitlines())
-    assert len(lines) == 1 and re.fullmatch(r"writer \d write 199", lines.pop())
-    assert os.listdir(tmp_path) == ["checkpoint"]
-
-
-def test_a_failed_small_file_write_leaves_no_temporary(tmp_path):
-    (tmp_path / "checkpoint").mkdir()  # a directory where the file goes: the rename fails
-    with pytest.raises(IsADirectoryError):
-        storage.write_atomic(tmp_path / "checkpoint", b"model_checkpoint_path: \"x\"\n")
-    assert os.listdir(tmp_path) == ["checkpoint"]
-    assert os.listdir(tmp_path / "checkpoint") == []
-
-
-def test_a_small_file_keeps_the_usual_permissions(tmp_path):
-    old = os.umask(0o022)
-    try:
-        atomic_write_bytes(tmp_path / "status.json", b"{}")
-    finally:
-        os.umask(old)
-    assert (tmp_path / "status.json").stat().st_mode & 0o777 == 0o644
-
-
-# -- staging directories -----------------------------------------------------------------------
-
-OWNER = textwrap.dedent("""
-    import sys, time
-    from pathlib import Path
-    from loopkit.plugins.checkpoint.backends.temporaries import own_directory
-    path, fd = own_directory(Path(sys.argv[1]), "loopkit-stage-1-")
-    (path / "model.ckpt-5").mkdir()
-    print(path, flush=True)
-    time.sleep(600)
-""")
-
-
-def test_a_stage_is_removed_only_once_its_owner_is_gone(tmp_path, monkeypatch):
-    """Judged by the lock its owner holds, not a process id: the stage of a live process
-    (whatever its pid) is kept, a killed one's is removed, and so is one from before the
-    lock (no lock file). The cleaner is the staged backend's start."""
-    import tempfile
-
-    from loopkit.plugins.checkpoint.backends.staged import StagedBackend
-    from loopkit.plugins.checkpoint.backends.npz import NpzBackend
-
-    root = tmp_path / "tmp"
-    root.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(root))
-    owner = subprocess.Popen([sys.executable, "-c", OWNER, str(root)], stdout=subprocess.PIPE,
-                             text=True)
-    try:
-        live = Path(owner.stdout.readline().strip())
-        assert live.parent == root and (live / "model.ckpt-5").is_dir()
-        legacy = root / f"loopkit-stage-{os.getpid()}-old"  # this pid, yet no owner holds it
-        (legacy / "model.ckpt-3").mkdir(parents=True)
-        other = root / "unrelated"
-        other.mkdir()
-        register()
-        backend = StagedBackend(f"flaky://{tmp_path}/run", "model.ckpt", NpzBackend)
-        try:
-            assert live.exists() and not legacy.exists() and other.exists()
-            mine = backend._stage
-            # a second backend (another process, or this one) keeps the first one's stage
-            second = StagedBackend(f"flaky://{tmp_path}/run", "model.ckpt", NpzBackend)
-            assert mine.exists() and live.exists()
-            second.close()
-        finally:
-            backend.close()
-        assert not mine.exists()
-        owner.send_signal(signal.SIGKILL)
-        owner.wait(timeout=30)
-        StagedBackend(f"flaky://{tmp_path}/run", "model.ckpt", NpzBackend).close()
-        assert sorted(p.name for p in root.iterdir()) == ["unrelated"]
-    finally:
-        if owner.poll() is None:
-            owner.kill()
-            owner.wait()
-
-
-# -- the local tier's directory ----------------------------------------------------------------
-
-
-@pytest.mark.parametrize("inside", [False, True])
-def test_a_local_checkpoint_dir_that_is_a_file_fails_naming_the_field(tmp_path, inside):
-    file = tmp_path / "local"
-    file.write_text("not a directory")
-    local = file / "tier" if inside else file
-    with pytest.raises(ValueError) as info:
-        loopkit.train(step_fn, init=init, data=data, logdir=tmp_path / "run", max_steps=3,
-                      local_checkpoint_dir=local, progress=False)
-    message = str(info.value)
-    assert f"Config.local_checkpoint_dir={str(local)!r}" in message, message
-    assert "existing file" in message and "expected a directory" in message
-    if inside:
-        assert f"is inside {str(file)!r}" in message
