@@ -6,12 +6,14 @@ name by an atomic rename, and the directory holding that name is fsynced.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import uuid
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["atomic_write_bytes", "atomic_write_text", "fsync_dir", "fsync_file", "fsync_tree",
+__all__ = ["atomic_write_bytes", "fsync_dir", "fsync_file", "fsync_tree",
            "read_json_object"]
 
 
@@ -45,19 +47,28 @@ def fsync_tree(root: str | os.PathLike[str]) -> None:
 
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
-    """Write `data` to `path` so that a crash leaves the old file or the new one."""
+    """Write `data` to `path` so that a crash leaves the old file or the new one.
+
+    Every small file loopkit writes locally comes here (through `storage.write_atomic`
+    or directly). The temporary has a name no other writer shares (two threads of one
+    process included), ``.<name>.<random>.tmp`` in the same directory, and a failed
+    write removes it.
+    """
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    # O_EXCL: never another writer's file; the mode as `open` gives (umask applied)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with open(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     fsync_dir(path.parent)
-
-
-def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
-    atomic_write_bytes(path, text.encode("utf-8"))
 
 
 def read_json_object(read: Callable[[], bytes]) -> dict[str, Any] | None:

@@ -40,13 +40,14 @@ from loopkit.plugin.hookspec import hookimpl
 from loopkit.state.pytree import abstract, check_storable, conform
 from loopkit.loop.stash import StashKey
 from loopkit.plugins.checkpoint.position import encode_position, gather_positions
+from loopkit.storage.retry import retry_secs
 from loopkit.plugins.checkpoint import rollback
 from loopkit.plugins.checkpoint.recovery import (
     durable_best, find_local, find_restorable,
 )
 from loopkit.plugins.checkpoint.replicas import SAVE_VETO, agree_to_save, host_copies
 from loopkit.plugins.checkpoint.retention import Ledger
-from loopkit.plugins.checkpoint.tier import SharedHold, Tier
+from loopkit.plugins.checkpoint.tier import SharedHold, Tier, refuse_a_file
 from loopkit.plugins.goodput.cadence import AutoInterval
 from loopkit.plugins.goodput.ledger import SAVE_TIMES, SaveTimes
 
@@ -152,11 +153,13 @@ class CheckpointPlugin:
     def _open(self, session: Any) -> Tier:
         """Build the session's tiers (restore_state runs first, so usually there)."""
         if self.durable is None:
+            retry_secs()  # a bad LOOPKIT_STORE_RETRY_SECS fails now, not as a corrupt read
             self.durable = self._tier(session, "durable", session.logdir)
             local = self.config.local_checkpoint_dir
             if local is None:
                 return self.durable
             local = storage.normalise(local, "Config.local_checkpoint_dir")
+            refuse_a_file(local)
             if jax.process_count() == 1:
                 self.local = self._tier(session, "local", local)
             elif self.config.checkpoint_backend == "orbax":

@@ -2,8 +2,11 @@
 
 A checkpoint that cannot be read is skipped with a warning naming it; if
 checkpoints exist but none can be restored, `CheckpointError` — never a silent
-fresh start. With many processes the chief chooses and every process restores
-the same step, or all start fresh.
+fresh start. An error of the store is not an unreadable checkpoint: it is retried
+(`loopkit.storage.retry.retrying`) and then fails the run with `CheckpointError` (its
+`StoreFailure`), never a resume from an older step. With many processes the chief
+chooses and every process restores the same step, or all start fresh; a store that
+failed on one process fails every process.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ import numpy as np
 
 from loopkit.plugin.backend import CheckpointBackend, Restored
 from loopkit.errors import CheckpointError
-from loopkit.plugins.checkpoint.position import own_position
+from loopkit.storage.retry import StoreFailure, retrying
+from loopkit.plugins.checkpoint.position import decode_position, own_position
 from loopkit.plugins.checkpoint.tf_file import CheckpointState, recovery_order
 
 __all__ = ["any_process", "common_steps", "durable_best", "find_local", "find_restorable",
@@ -44,6 +48,8 @@ def find_restorable(backend: CheckpointBackend, steps: Collection[int], logdir: 
             continue
         try:
             return read_checkpoint(backend, step, like, path_of(step))
+        except StoreFailure:
+            raise  # the store's, not the checkpoint's: an older one is no answer
         except Exception as ex:  # noqa: BLE001 - unreadable data marks it corrupt
             log.warning("loopkit: checkpoint %s is unreadable, skipping it (%s: %s)",
                         path_of(step), type(ex).__name__, ex)
@@ -83,7 +89,9 @@ def find_local(backend: CheckpointBackend, steps: Collection[int], state: Checkp
         if floor is not None and step < floor:
             break
         try:
-            tree, metadata = backend.restore(step, like)
+            tree, metadata = _restore(backend, step, like, path_of(step))
+        except StoreFailure:
+            raise  # the store's, not the checkpoint's: an older one is no answer
         except Exception as ex:  # noqa: BLE001 - unreadable data marks it corrupt
             log.warning("loopkit: local checkpoint %s is unreadable, skipping it (%s: %s)",
                         path_of(step), type(ex).__name__, ex)
@@ -98,6 +106,13 @@ def find_local(backend: CheckpointBackend, steps: Collection[int], state: Checkp
     return None
 
 
+#: what a process's read came to, agreed as the worst over processes (`_worst`)
+_READ, _UNREADABLE, _STORE = 0, 1, 2
+#: what a read that met a store error for the whole retry bound says to do
+_ADVICE = ("Not falling back on an older checkpoint (this one may be fine): restart once "
+           "the store answers")
+
+
 def read_together(backend: CheckpointBackend, step: int, like: Any, where: str,
                   failed: Callable[[Any], Any],
                   before: Callable[[], None] = lambda: None) -> Restored | None:
@@ -105,27 +120,62 @@ def read_together(backend: CheckpointBackend, step: int, like: Any, where: str,
     download first (of what `restore(step, like)` reads, where the backend keeps
     checkpoints remotely: its optional `fetch`, the staged backend's of URL logdirs),
     then one agreement, so that no process starts orbax's read,
-    which ends at a barrier, while another has failed; None here when it failed
-    anywhere (`failed((step, error))` gets this process's error). Every process
-    runs exactly one collective here, whatever fails."""
-    found: Restored | None = None
-    ready = False
-    try:
+    which ends at a barrier, while another has failed; then the read and a second
+    agreement. The checkpoint on every process, or None on every process when it is
+    unreadable anywhere (`failed((step, error))` gets this process's error). An error
+    of the store, retried here on each process alone, raises `CheckpointError` on every
+    process, wherever it happened. Every process runs the same collectives here
+    (one, or two when the downloads succeeded everywhere), whatever fails. (Retrying
+    alone keeps them in order: a download has none, and a read's one, orbax's closing
+    barrier, comes after the reads that may fail, so each process reaches it once; a
+    collective's own error is jax's RuntimeError, never retried.)"""
+    def download() -> None:
         before()
         fetch = getattr(backend, "fetch", None)
         if fetch is not None:
             fetch(step, like)
-        ready = True
+
+    found: Restored | None = None
+    mine: BaseException | None = None
+    try:
+        retrying(download, f"downloading checkpoint {where}", _ADVICE)
+        outcome = _READ
     except Exception as ex:  # noqa: BLE001 - agreed below
-        _unreadable(where, ex)
-        failed((step, ex))
-    if not any_process(not ready):
+        outcome, mine = _judged(where, step, ex, failed), ex
+    outcome = _worst(outcome)
+    if outcome == _READ:
         try:
             found = read_checkpoint(backend, step, like, where)
-        except Exception as ex:  # noqa: BLE001 - agreed by the caller
-            _unreadable(where, ex)
-            failed((step, ex))
-    return found
+        except Exception as ex:  # noqa: BLE001 - agreed below
+            outcome, mine = _judged(where, step, ex, failed), ex
+        outcome = _worst(outcome)
+    if outcome == _STORE:
+        if isinstance(mine, StoreFailure):
+            raise mine
+        raise CheckpointError(
+            f"reading checkpoint {where} failed on another process: an error of the store "
+            f"(that process's output names it). {_ADVICE}") from mine
+    return found if outcome == _READ else None
+
+
+
+def _judged(where: str, step: int, ex: BaseException, failed: Callable[[Any], Any]) -> int:
+    """`_STORE` for a store that kept failing, else `_UNREADABLE` (warned, `failed`)."""
+    if isinstance(ex, StoreFailure):
+        return _STORE
+    _unreadable(where, ex)
+    failed((step, ex))
+    return _UNREADABLE
+
+
+def _worst(outcome: int) -> int:
+    """The worst of every process's `outcome` (a collective with many processes)."""
+    if jax.process_count() == 1:
+        return outcome
+    from jax.experimental import multihost_utils
+
+    return int(np.max(np.asarray(multihost_utils.process_allgather(
+        np.asarray(outcome, np.int32)))))
 
 
 def _unreadable(where: str, ex: BaseException) -> None:
@@ -174,9 +224,10 @@ def _agreed_local(backend: CheckpointBackend, steps: Collection[int], like: PyTr
     for step in common_steps(steps):
         if step < floor:
             break
-        found, code = None, 0  # 0: unreadable here, 1: restored, 2: another job's layout
+        # 0: unreadable here, 1: restored, 2: another job's layout, 3: the store failed
+        found, code, mine = None, 0, None
         try:
-            tree, metadata = backend.restore(step, like)
+            tree, metadata = _restore(backend, step, like, path_of(step))
             count = (metadata or {}).get("process_count", 1)
             if count == jax.process_count():
                 found, code = _found(step, tree, metadata, path_of(step)), 1
@@ -184,10 +235,18 @@ def _agreed_local(backend: CheckpointBackend, steps: Collection[int], like: PyTr
                 code = 2
                 log.warning("loopkit: local checkpoint %s was written by %s processes, "
                             "this run has %d", path_of(step), count, jax.process_count())
+        except StoreFailure as ex:
+            code, mine = 3, ex
         except Exception as ex:  # noqa: BLE001 - unreadable data: agree on it below
             log.warning("loopkit: local checkpoint %s is unreadable on process %d (%s: %s)",
                         path_of(step), jax.process_index(), type(ex).__name__, ex)
         codes = np.asarray(multihost_utils.process_allgather(np.asarray(code, np.int32)))
+        if np.any(codes == 3):
+            if mine is not None:
+                raise mine
+            raise CheckpointError(
+                f"reading local checkpoint {path_of(step)} failed on another process: an "
+                f"error of the store (that process's output names it). {_ADVICE}")
         if np.all(codes == 1):
             return found
         if np.any(codes == 2):
@@ -200,9 +259,15 @@ def _agreed_local(backend: CheckpointBackend, steps: Collection[int], like: PyTr
 
 
 def read_checkpoint(backend: CheckpointBackend, step: int, like: PyTree, path: str) -> Restored:
-    """The checkpoint of `step` (at `path`), read from `backend` and placed like `like`."""
-    tree, metadata = backend.restore(step, like)
+    """The checkpoint of `step` (at `path`), read from `backend` and placed like `like`;
+    `StoreFailure` when the store kept failing (`_restore`)."""
+    tree, metadata = _restore(backend, step, like, path)
     return _found(step, tree, metadata, path)
+
+
+def _restore(backend: CheckpointBackend, step: int, like: PyTree, path: str) -> tuple[Any, Any]:
+    """`backend.restore(step, like)`, retried while the store fails (`retrying`)."""
+    return retrying(lambda: backend.restore(step, like), f"reading checkpoint {path}", _ADVICE)
 
 
 def _found(step: int, tree: PyTree, metadata: dict | None, path: str) -> Restored:
@@ -240,7 +305,7 @@ def _agreed(backend: CheckpointBackend, steps: Collection[int], logdir: Path | s
 
         found = read_together(backend, step, like, path_of(step), failures.append,
                               before=visible)
-        if not any_process(found is None):
+        if found is not None:  # (agreed: read on every process)
             return found
         log.warning("loopkit: checkpoint %s could not be restored on every process; "
                     "trying the chief's next candidate", path_of(step))

@@ -79,7 +79,7 @@ def read_agreed(options: Sequence[tuple[int, Tier]], like: Any) -> Restored | No
     for i, (step, tier) in enumerate(options):
         found = read_together(tier.backend, step, like, tier.path(step),
                               lambda f: failures.append(f[1]))
-        if not any_process(found is None):
+        if found is not None:  # (agreed: read on every process; a store error raised)
             return found
         if i + 1 < len(options):
             nxt, other = options[i + 1]

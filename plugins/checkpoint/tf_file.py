@@ -23,6 +23,7 @@ import re
 from pathlib import Path
 
 from loopkit import storage
+from loopkit.storage.retry import retrying
 
 __all__ = [
     "BACKEND_FILE",
@@ -155,9 +156,17 @@ def _floats(values: list[str]) -> list[float] | None:
 
 
 def write_state(logdir: str | os.PathLike[str], state: CheckpointState) -> None:
-    """Write ``logdir/checkpoint`` atomically and durably (on a URL: one object write)."""
-    storage.write_atomic(storage.join(storage.normalise(logdir), STATE_FILE),
-                         state.to_text().encode("utf-8"))
+    """Write ``logdir/checkpoint`` atomically and durably (on a URL: one object write,
+    retried while the store fails)."""
+    _write(storage.join(storage.normalise(logdir), STATE_FILE), state.to_text().encode("utf-8"))
+
+
+def _write(path: Path | str, data: bytes) -> None:
+    """`storage.write_atomic`; on a URL retried while the store fails (`retrying`)."""
+    if not storage.is_url(path):
+        storage.write_atomic(path, data)
+        return
+    retrying(lambda: storage.write_atomic(path, data), f"writing {path}")
 
 
 def recovery_order(state: CheckpointState | None, committed: list[int] | set[int]) -> list[int]:
@@ -176,7 +185,7 @@ def recovery_order(state: CheckpointState | None, committed: list[int] | set[int
 def write_backend_name(logdir: str | os.PathLike[str], name: str) -> None:
     """Record, beside the `checkpoint` file, that the backend called ``name`` writes here."""
     data = json.dumps({"checkpoint_backend": name}).encode("utf-8")
-    storage.write_atomic(storage.join(storage.normalise(logdir), BACKEND_FILE), data)
+    _write(storage.join(storage.normalise(logdir), BACKEND_FILE), data)
 
 
 def read_backend_name(logdir: str | os.PathLike[str]) -> str | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 from loopkit.plugin.backend import CheckpointBackend
@@ -23,7 +24,7 @@ from loopkit.plugins.checkpoint.tf_file import CheckpointState, checkpoint_path
 from loopkit.plugins.goodput.ledger import SAVE_TIMES, SaveTimes, SaveTiming
 from loopkit.process.run_status import checkpoint_committed
 
-__all__ = ["Beside", "Commit", "SharedHold", "Tier"]
+__all__ = ["Beside", "Commit", "SharedHold", "Tier", "refuse_a_file"]
 
 log = logging.getLogger("loopkit")
 
@@ -228,3 +229,14 @@ class Tier:
             self.backend.close()
         else:
             self.backend.wait()  # the caller's instance: theirs to close
+
+
+def refuse_a_file(local: Path) -> None:
+    """Fail, naming the field, when the local tier's directory (or a parent) is a file."""
+    for at in (local, *local.parents):
+        if at.exists():
+            if not at.is_dir():
+                what = "is" if at == local else f"is inside {str(at)!r}, which is"
+                raise ValueError(f"Config.local_checkpoint_dir={str(local)!r} {what} an "
+                                 "existing file: expected a directory (created if missing)")
+            return

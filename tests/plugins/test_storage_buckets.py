@@ -535,7 +535,8 @@ def test_a_process_killed_writing_its_part_leaves_no_named_checkpoint(
     ("s3", "--fail-uploading", "injected upload failure"),
     ("gs", "--fail-local-save", "injected local save failure")], indirect=["store"])
 def test_a_failed_upload_of_one_part_fails_the_save_on_every_process(
-        store, tmp_path, quick_lease, option, error):
+        store, tmp_path, quick_lease, option, error, monkeypatch):
+    monkeypatch.setenv("LOOPKIT_STORE_RETRY_SECS", "2")  # the upload is retried this long
     d = _distributed()
     ref, run = _dirs(tmp_path, "ref", "run")
     url = store.url("run")
@@ -562,9 +563,10 @@ def test_a_failed_upload_of_one_part_fails_the_save_on_every_process(
 @one_store("s3")
 def test_a_failed_download_on_one_process_sends_both_to_the_previous_checkpoint(
         store, tmp_path, quick_lease):
-    """Process 1 cannot download step 10: both processes pass it over together, before
-    orbax's read (whose closing barrier would hold process 0 for orbax's 300 s), and
-    resume from step 5, bitwise."""
+    """Process 1 finds an object of step 10 missing (wrong content; an error of the store
+    would fail both: tests/plugins/test_store_errors.py): both processes pass it over
+    together, before orbax's read (whose closing barrier would hold process 0 for
+    orbax's 300 s), and resume from step 5, bitwise."""
     d = _distributed()
     ref, run = _dirs(tmp_path, "ref", "run")
     url = store.url("run")

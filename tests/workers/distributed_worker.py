@@ -21,7 +21,8 @@ checkpoint of STEP raises OSError (a network error).
 --fail-local-save P:STEP: process P's orbax save of STEP raises OSError once orbax has
 written it and the loop waits for it (a full local disk, say).
 --fail-downloading P:STEP: under a URL logdir, process P's download of the checkpoint
-of STEP raises OSError (a network error).
+of STEP raises FileNotFoundError (an object of it missing: its content is wrong, which
+is not an error of the store).
 --die-uploading P:STEP: under a URL logdir, process P SIGKILLs itself in the middle of
 uploading its part of the checkpoint of STEP (after its first object).
 """
@@ -231,14 +232,15 @@ def die_uploading(step, fail=False):
 
 
 def fail_downloading(step):
-    """This process's download of the checkpoint of `step` from a URL logdir fails."""
+    """This process's download of the checkpoint of `step` from a URL logdir finds an
+    object missing."""
     from loopkit.plugins.checkpoint.backends.staged import StagedBackend
 
     fetch = StagedBackend._fetch
 
     def fetch_or_fail(self, at, like=None):
         if at == step:
-            raise OSError(f"injected download failure of step {step}")
+            raise FileNotFoundError(f"injected download failure of step {step}")
         return fetch(self, at, like)
 
     StagedBackend._fetch = fetch_or_fail

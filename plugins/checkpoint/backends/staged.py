@@ -46,6 +46,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 from loopkit import storage
 from loopkit.errors import CheckpointError
+from loopkit.plugins.checkpoint.backends.temporaries import own_directory, remove_stale
+from loopkit.storage.retry import StoreFailure, retrying
 
 __all__ = ["MARKER", "PART", "StagedBackend", "barrier", "local_or_staged", "refuse_url"]
 
@@ -56,6 +58,7 @@ log = logging.getLogger("loopkit")
 MARKER = "commit_success.txt"
 
 _STAGE = "loopkit-stage-"
+_STAGED = re.compile(re.escape(_STAGE) + r".+")
 
 #: the object with which a process reports its part of a checkpoint uploaded (many
 #: processes); the chief writes `MARKER` only once every process's is there
@@ -109,19 +112,14 @@ def barrier(name: str, processes: set[int], timeout: int | None = None) -> None:
         barrier_sync_fn=ocp.multihost.get_barrier_sync_fn(processes=processes))
 
 
-def _remove_dead_stages() -> None:
-    """Remove staging directories of processes that died (a crash leaves its stage)."""
-    root = Path(tempfile.gettempdir())
-    for d in root.glob(f"{_STAGE}*-*"):
-        pid = d.name[len(_STAGE):].split("-", 1)[0]
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            shutil.rmtree(d, ignore_errors=True)
-        except PermissionError:
-            pass  # alive, another user's
+def _stage_root() -> Path:
+    """Where stages are made: the system's temporary directory (``TMPDIR``)."""
+    return Path(tempfile.gettempdir())
+
+
+def _retried(operation: Callable[[], Any], what: str) -> Any:
+    """`operation()`, retried while the store fails (`loopkit.storage.retry.retrying`)."""
+    return retrying(operation, what, "The checkpoint is not committed; the run stops")
 
 
 class StagedBackend:
@@ -139,9 +137,14 @@ class StagedBackend:
         self._chief = self._index == 0
         self._uploads = 0  # names each upload's barriers (the same on every process)
         self.basename = basename
-        _remove_dead_stages()
-        self._stage = Path(tempfile.mkdtemp(prefix=f"{_STAGE}{os.getpid()}-"))
-        self.local = make_local(self._stage)
+        # a crash leaves its stage behind: removed once its owner's lock is free
+        remove_stale(_stage_root(), _STAGED, owned=True)
+        self._stage, self._owner = own_directory(_stage_root(), f"{_STAGE}{os.getpid()}-")
+        try:
+            self.local = make_local(self._stage)
+        except BaseException:
+            self._remove_stage()
+            raise
         suffix = self.local_name(0)[len(f"{basename}-0"):]
         self._name = re.compile(re.escape(basename) + r"-(0|[1-9][0-9]*)" + re.escape(suffix))
         self._pending: int | None = None  # saved locally, not yet uploaded
@@ -221,13 +224,14 @@ class StagedBackend:
             error = e
         barrier(f"{phase}-cleared", self._processes, BARRIER_SECS)
         if error is None:
-            try:
+            try:  # each a retried store operation, which may be done again whole
                 if directory:
-                    storage.upload_tree(src, dst)
+                    _retried(lambda: storage.upload_tree(src, dst), f"uploading {dst}")
                     if many:
-                        fs.pipe_file(f"{base}/{PART.format(self._index)}", b"")
+                        part = f"{base}/{PART.format(self._index)}"
+                        _retried(lambda: fs.pipe_file(part, b""), f"writing {part}")
                 elif self._chief:
-                    fs.put_file(str(src), base)
+                    _retried(lambda: fs.put_file(str(src), base), f"uploading {dst}")
             except Exception as e:  # noqa: BLE001 - raised below, after the barriers
                 error = e
         # every process's upload has ended
@@ -244,7 +248,8 @@ class StagedBackend:
                             f"process{'es' if len(missing) > 1 else ''} "
                             f"{', '.join(map(str, missing))} did not report "
                             "its part uploaded (its own output has the error)")
-                fs.pipe_file(f"{base}/{MARKER}", b"")  # last: commits the upload
+                marker = f"{base}/{MARKER}"  # last: commits the upload
+                _retried(lambda: fs.pipe_file(marker, b""), f"writing {marker}")
             except Exception as e:  # noqa: BLE001 - raised below, after the barrier
                 error = e
         # no process goes on before it is decided
@@ -257,6 +262,8 @@ class StagedBackend:
                                             "(that process's output has the error)")
             except Exception as e:  # noqa: BLE001
                 error = e
+        if isinstance(error, StoreFailure):
+            raise error  # it names what failed, and for how long it was retried
         if error is not None:
             raise CheckpointError(f"uploading checkpoint {dst} failed: {error}") from error
 
@@ -371,4 +378,11 @@ class StagedBackend:
             try:
                 self.local.close()
             finally:
-                shutil.rmtree(self._stage, ignore_errors=True)
+                self._remove_stage()
+
+    def _remove_stage(self) -> None:
+        """Remove the stage, then let go of its lock (held until then: it is ours)."""
+        shutil.rmtree(self._stage, ignore_errors=True)
+        if self._owner is not None:
+            os.close(self._owner)
+            self._owner = None
