@@ -22,7 +22,7 @@ import numpy as np
 from loopkit.plugin.backend import CheckpointBackend, Restored
 from loopkit.errors import CheckpointError
 from loopkit.storage.retry import StoreFailure, retrying
-from loopkit.plugins.checkpoint.position import decode_position, own_position
+from loopkit.plugins.checkpoint.position import own_position
 from loopkit.plugins.checkpoint.tf_file import CheckpointState, recovery_order
 
 __all__ = ["any_process", "common_steps", "durable_best", "find_local", "find_restorable",
