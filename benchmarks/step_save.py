@@ -44,7 +44,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import loopkit  # noqa: E402
-from loopkit.loop.staging import to_host, views  # noqa: E402
+from loopkit.state.staging import to_host, views  # noqa: E402
 from checkpoint import raw_write  # noqa: E402 - benchmarks/checkpoint.py, beside this one
 
 MB = 2**20

@@ -27,7 +27,7 @@ from loopkit.loop.scheduler import (
     RunningAction, Scheduler, Timer, agree_across_processes, noted,
 )
 from loopkit.loop.stash import Stash, StashKey
-from loopkit.loop.staging import Staged
+from loopkit.state.staging import Staged
 from loopkit.loop.step import CompiledStep
 from loopkit.loop.writer import write_values
 from loopkit.plugin.view import SessionStats

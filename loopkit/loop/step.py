@@ -31,18 +31,20 @@ import enum
 import functools
 import logging
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 
 from loopkit.loop.carry import CarriedMetrics, attach, first_values
 from loopkit.state.pytree import abstract
-from loopkit.loop.staging import (
+from loopkit.state.staging import (
     Spare, Staged, aval, copied, copied_arrays, swap_leaves, to_host, views, views_protect,
 )
 from loopkit.loop.step_checks import RecompileWatch, check_step_output, is_jitted
-from loopkit.loop.step_layout import on_cpu_devices, one_in_flight, pins, step_body
+from loopkit.loop.step_layout import (
+    Layout, Program, on_cpu_devices, one_in_flight, sorted_leaves, step_body,
+)
 
 if TYPE_CHECKING:
     from loopkit.loop.carry import StepCarry
@@ -55,33 +57,6 @@ log = logging.getLogger("loopkit")
 PyTree = Any
 _UNSET = object()
 _NO_METRICS: Mapping[str, Any] = MappingProxyType({})
-
-
-class _Layout(NamedTuple):
-    treedef: Any
-    rewritten: tuple[int, ...]   # leaf indices the step rewrites (donated)
-    frozen: tuple[int, ...]      # leaf indices it returns unchanged (never donated)
-    pins: tuple[Any, ...] | None  # per rewritten leaf: its pinned sharding (None: none)
-
-
-class Program(NamedTuple):
-    """What the first call builds, once per session: the step in its calling conventions.
-
-    `normal` is the variant the loop calls (donating where allowed; with the frozen
-    leaves bound in front when `bound`); `plain` is the same function donating
-    nothing (for the first call of a session off CPU); `spare` is the CPU variant that
-    writes into a save's given-back buffers (None where there is none).
-    """
-
-    layout: _Layout | None     # None: not traced by loopkit (a step the user jitted, jit off)
-    donating: Any              # the jitted inner, donating `live` where allowed
-    plain: Any                 # its non-donating variant (`donating` itself if none donate)
-    spare: Spare | None
-    bound: bool                # the jitted function takes the frozen leaves first
-    wait_each: bool            # XLA:CPU over several devices: one step in flight at a time
-    firsts: tuple              # the carries' first values
-    batch_avals: tuple         # the first batch's avals (for the spare's compile ahead)
-    unchecked: Any             # the input state's avals when the first output is still unchecked
 
 
 class Phase(enum.Enum):
@@ -145,7 +120,7 @@ class CompiledStep:
         return None if self.program is None else self.program.spare
 
     @property
-    def layout(self) -> _Layout | None:
+    def layout(self) -> Layout | None:
         return None if self.program is None else self.program.layout
 
     # -- the state ---------------------------------------------------------------------
@@ -318,7 +293,7 @@ class CompiledStep:
             closed, out = jax.make_jaxpr(fn, return_shape=True)(state, *batch)
             check_step_output(out, state)
             like_state, like_metrics = out
-            layout = _sorted_leaves(state, closed.jaxpr)
+            layout = sorted_leaves(state, closed.jaxpr)
         elif carries:
             out = jax.eval_shape(fn, state, *batch)
             check_step_output(out, state)
@@ -344,7 +319,7 @@ class CompiledStep:
         return Program(layout, donating, plain, spare, bound, wait_each, firsts, batch_avals,
                        unchecked)
 
-    def _variants(self, inner: Callable[..., Any], layout: _Layout | None,
+    def _variants(self, inner: Callable[..., Any], layout: Layout | None,
                   bound: bool) -> tuple[Any, Any, Spare | None]:
         """``(donating, plain, spare)``: `inner` jitted in each calling convention."""
         if not self.jit:
@@ -423,12 +398,3 @@ class CompiledStep:
             program.donating.lower(*args).compile()
         return program.plain(*args)
 
-
-def _sorted_leaves(state: PyTree, jaxpr: Any) -> _Layout:
-    """The state's leaves sorted by what the traced step does with them: those it
-    returns unchanged (the same traced value) are frozen, the others rewritten."""
-    leaves, treedef = jax.tree.flatten(state)  # the same structure as the output
-    n = len(leaves)
-    frozen = tuple(i for i in range(n) if jaxpr.outvars[i] is jaxpr.invars[i])
-    rewritten = tuple(i for i in range(n) if i not in set(frozen))
-    return _Layout(treedef, rewritten, frozen, pins([leaves[i] for i in rewritten]))

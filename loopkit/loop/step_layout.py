@@ -3,7 +3,7 @@ dispatch on a CPU mesh."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
 
 import jax
 
@@ -11,10 +11,41 @@ from loopkit.loop.carry import update_all
 from loopkit.state.pytree import sharding_of
 
 if TYPE_CHECKING:
+    from loopkit.state.staging import Spare
     from loopkit.loop.carry import StepCarry
     from loopkit.loop.step_checks import RecompileWatch
 
-__all__ = ["on_cpu_devices", "one_in_flight", "pins", "step_body"]
+__all__ = ["Layout", "Program", "on_cpu_devices", "one_in_flight", "pins", "sorted_leaves",
+           "step_body"]
+
+
+class Layout(NamedTuple):
+    """How the traced step treats the state's leaves, and where the rewritten ones live."""
+
+    treedef: Any
+    rewritten: tuple[int, ...]   # leaf indices the step rewrites (donated)
+    frozen: tuple[int, ...]      # leaf indices it returns unchanged (never donated)
+    pins: tuple[Any, ...] | None  # per rewritten leaf: its pinned sharding (None: none)
+
+
+class Program(NamedTuple):
+    """What the first call builds, once per session: the step in its calling conventions.
+
+    `donating` is the variant the loop calls (donating `live` where allowed; with the
+    frozen leaves bound in front when `bound`); `plain` is the same function donating
+    nothing (for the first call of a session off CPU); `spare` is the CPU variant that
+    writes into a save's given-back buffers (None where there is none).
+    """
+
+    layout: Layout | None     # None: not traced by loopkit (a step the user jitted, jit off)
+    donating: Any              # the jitted inner, donating `live` where allowed
+    plain: Any                 # its non-donating variant (`donating` itself if none donate)
+    spare: Spare | None
+    bound: bool                # the jitted function takes the frozen leaves first
+    wait_each: bool            # XLA:CPU over several devices: one step in flight at a time
+    firsts: tuple              # the carries' first values
+    batch_avals: tuple         # the first batch's avals (for the spare's compile ahead)
+    unchecked: Any             # the input state's avals when the first output is still unchecked
 
 
 def on_cpu_devices(leaves: Sequence[Any]) -> bool:
@@ -117,3 +148,13 @@ def step_body(fn: Callable[..., Any], carries: tuple[StepCarry, ...], treedef: A
         return (part, update_all(carries, values, new, metrics)), ({} if drop else metrics)
 
     return inner
+
+
+def sorted_leaves(state: Any, jaxpr: Any) -> Layout:
+    """The state's leaves sorted by what the traced step does with them: those it
+    returns unchanged (the same traced value) are frozen, the others rewritten."""
+    leaves, treedef = jax.tree.flatten(state)  # the same structure as the output
+    n = len(leaves)
+    frozen = tuple(i for i in range(n) if jaxpr.outvars[i] is jaxpr.invars[i])
+    rewritten = tuple(i for i in range(n) if i not in set(frozen))
+    return Layout(treedef, rewritten, frozen, pins([leaves[i] for i in rewritten]))

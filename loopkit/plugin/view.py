@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from loopkit.loop.coordinator import Coordinator, LooperThread
     from loopkit.loop.data import Input
     from loopkit.loop.scheduler import RunningAction, Timer
-    from loopkit.loop.staging import Staged
+    from loopkit.state.staging import Staged
     from loopkit.loop.stash import Stash
     from loopkit.plugin.backend import Restored
 
