@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
 import jax
-import numpy as np
 
 from loopkit import storage
 from loopkit.config import Config

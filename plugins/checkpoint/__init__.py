@@ -27,16 +27,15 @@ from __future__ import annotations
 
 from loopkit.plugins.checkpoint.helpers import (
     checkpoints_iterator,
-    describe_checkpoints,
     from_pretrained,
     latest_checkpoint,
     load_checkpoint,
 )
 from loopkit.plugins.checkpoint.io_tuning import checkpoint_io_tuning
+from loopkit.plugins.checkpoint.listing import describe_checkpoints
 # (`plugin` below is the function the plugin manager calls, not the module of that name)
-from loopkit.plugins.checkpoint.plugin import (
-    BUILTIN_BACKENDS, INACTIVE, RESTORED_TIER, CheckpointPlugin, plugin,
-)
+from loopkit.plugins.checkpoint.plugin import BUILTIN_BACKENDS, INACTIVE, CheckpointPlugin, plugin
+from loopkit.plugins.shared import RESTORED_TIER
 
 __all__ = [
     "BUILTIN_BACKENDS",

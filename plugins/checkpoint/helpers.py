@@ -1,7 +1,7 @@
 """Helpers for scripts around a run: find, load, follow, list and initialise from checkpoints.
 
 Re-exported as `loopkit.latest_checkpoint`, `loopkit.load_checkpoint`,
-`loopkit.checkpoints_iterator` and `loopkit.from_pretrained`; `describe_checkpoints`
+`loopkit.checkpoints_iterator` and `loopkit.from_pretrained`; `describe_checkpoints` (in `listing`)
 backs `loopkit checkpoints`. Each finds its checkpoint and backend through `locate`.
 """
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import os
-import re
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
@@ -25,7 +24,6 @@ from loopkit.state.pytree import check_matches, conform, leaf_path, leaves_with_
 
 __all__ = [
     "checkpoints_iterator",
-    "describe_checkpoints",
     "from_pretrained",
     "latest_checkpoint",
     "load_checkpoint",
@@ -133,65 +131,6 @@ def checkpoints_iterator(logdir: str | os.PathLike[str], min_interval_secs: floa
             if wait > 0:
                 time.sleep(wait)
 
-
-def _human_size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
-def _human_age(secs: float) -> str:
-    secs = max(0.0, secs)
-    if secs < 90:
-        return f"{secs:.0f} s ago"
-    if secs < 90 * 60:
-        return f"{secs / 60:.0f} min ago"
-    if secs < 36 * 3600:
-        return f"{secs / 3600:.1f} h ago"
-    return f"{secs / 86400:.1f} days ago"
-
-
-def _stored_at(backend: Any, logdir: Path | str, base: str, step: int) -> Path | str:
-    """Where ``backend`` stores ``step``: its `path`, or for a backend with only the six
-    protocol methods, the name ``<base>-<step>`` (with one extension, if so) in `logdir`."""
-    if hasattr(backend, "path"):
-        return backend.path(step)
-    name = f"{base}-{step}"
-    pattern = re.compile(re.escape(name) + r"(\.[A-Za-z0-9]+)?")  # a final name (docs)
-    on_disk = sorted(n for n in storage.list_names(logdir) if pattern.fullmatch(n))
-    return storage.join(logdir, on_disk[0] if on_disk else name)
-
-
-def describe_checkpoints(logdir: str | os.PathLike[str], *, basename: str | None = None,
-                         local_dir: str | os.PathLike[str] | None = None) -> list[str]:
-    """One line per checkpoint in `logdir`, oldest first: name, step, size, age.
-
-    The one a restart would recover is marked ``<- latest``; one not named in
-    the `checkpoint` file's list (kept by ``keep_checkpoint_every_n_hours``, or
-    left behind by a restart from an older checkpoint) is marked ``(unlisted)``.
-    With `local_dir` (the run's ``Config.local_checkpoint_dir``) the local tier's
-    checkpoints are listed too, marked ``local``.
-    """
-    from loopkit.plugins.checkpoint.listing import checkpoint_rows
-
-    now = time.time()
-    rows = []
-    for r in checkpoint_rows(logdir, basename=basename, local_dir=local_dir):
-        mark = ("<- latest (a restart recovers this one)" if r.restore
-                else "(unlisted)" if not r.listed else "")
-        rows.append((r.name, f"step {r.step}", "local" if r.tier == "local" else "",
-                     _human_size(r.size), _human_age(now - r.time), mark))
-    if not rows:
-        return []
-    widths = [max(len(r[i]) for r in rows) for i in range(5)]
-    return ["  ".join(f"{c:<{w}}" if i != 3 else f"{c:>{w}}"
-                      for i, (c, w) in enumerate(zip(r[:5], widths)) if w).rstrip()
-            + (f"  {r[5]}" if r[5] else "") for r in rows]
-
-
-# -- initialising from a pretrained checkpoint ------------------------------------------
 
 def _leaves_of(backend: Any, step: int) -> tuple[dict[str, Any], Callable[[list[str]], dict]]:
     """(leaf path -> shape and dtype, a reader of chosen leaves) of a checkpoint.

@@ -13,15 +13,17 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import time
 from pathlib import Path
 from typing import Any
 
 from loopkit import storage
-from loopkit.plugins.checkpoint.locate import Backends, basename_of
+from loopkit.plugins.checkpoint.locate import Backends, basename_of, stored_at
 from loopkit.plugins.checkpoint.recovery import durable_best
-from loopkit.plugins.checkpoint.tf_file import read_state
+from loopkit.plugins.checkpoint.tf_file import read_local_dir, read_state
 
-__all__ = ["CheckpointRow", "checkpoint_rows", "recorded_local_dir", "row_json"]
+__all__ = ["CheckpointRow", "checkpoint_rows", "describe_checkpoints", "recorded_local_dir",
+           "row_json"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +46,6 @@ class CheckpointRow:
 def _tier_rows(directory: Path | str, tier: str, basename: str | None
                ) -> tuple[list[CheckpointRow], int | None]:
     """The checkpoints of one tier's directory, and the step a restart would take there."""
-    from loopkit.plugins.checkpoint.helpers import _stored_at
 
     base = basename_of(directory, basename)
     state = read_state(directory, base)
@@ -54,7 +55,7 @@ def _tier_rows(directory: Path | str, tier: str, basename: str | None
         best = durable_best(found, state)
         listed = {s for s, _ in state.listed} if state is not None else set(found)
         for step in sorted(found):
-            path = _stored_at(found[step], directory, base, step)
+            path = stored_at(found[step], directory, base, step)
             try:
                 size, mtime = storage.size_and_mtime(path)
             except FileNotFoundError:  # deleted by retention while we look
@@ -87,21 +88,60 @@ def checkpoint_rows(logdir: str | os.PathLike[str], *, basename: str | None = No
 
 
 def recorded_local_dir(logdir: str | os.PathLike[str]) -> str | None:
-    """The local tier the run's last session used on this host, from its ledger's start
-    record (None: none recorded, or recorded on another host, whose disk this is not)."""
-    import socket
-
-    from loopkit.plugins.goodput.records import Start, read_records
-
+    """The local tier the run keeps beside `logdir` on this host, as the checkpoint plugin
+    recorded it (None: none recorded, or recorded on another host, whose disk this is not)."""
     try:
-        starts = [r for r in read_records(storage.normalise(logdir, "logdir"))
-                  if isinstance(r, Start)]
+        return read_local_dir(logdir)
     except (OSError, ValueError):
         return None
-    if not starts or starts[-1].host != socket.gethostname():
-        return None
-    return starts[-1].local_dir
 
 
 def row_json(row: CheckpointRow) -> dict[str, Any]:
     return dataclasses.asdict(row)
+
+
+def describe_checkpoints(logdir: str | os.PathLike[str], *, basename: str | None = None,
+                         local_dir: str | os.PathLike[str] | None = None) -> list[str]:
+    """One line per checkpoint in `logdir`, oldest first: name, step, size, age.
+
+    The one a restart would recover is marked ``<- latest``; one not named in
+    the `checkpoint` file's list (kept by ``keep_checkpoint_every_n_hours``, or
+    left behind by a restart from an older checkpoint) is marked ``(unlisted)``.
+    With `local_dir` (the run's ``Config.local_checkpoint_dir``) the local tier's
+    checkpoints are listed too, marked ``local``.
+    """
+    now = time.time()
+    rows = []
+    for r in checkpoint_rows(logdir, basename=basename, local_dir=local_dir):
+        mark = ("<- latest (a restart recovers this one)" if r.restore
+                else "(unlisted)" if not r.listed else "")
+        rows.append((r.name, f"step {r.step}", "local" if r.tier == "local" else "",
+                     _human_size(r.size), _human_age(now - r.time), mark))
+    if not rows:
+        return []
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    return ["  ".join(f"{c:<{w}}" if i != 3 else f"{c:>{w}}"
+                      for i, (c, w) in enumerate(zip(r[:5], widths)) if w).rstrip()
+            + (f"  {r[5]}" if r[5] else "") for r in rows]
+
+
+# -- initialising from a pretrained checkpoint ------------------------------------------
+
+
+def _human_size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _human_age(secs: float) -> str:
+    secs = max(0.0, secs)
+    if secs < 90:
+        return f"{secs:.0f} s ago"
+    if secs < 90 * 60:
+        return f"{secs / 60:.0f} min ago"
+    if secs < 36 * 3600:
+        return f"{secs / 3600:.1f} h ago"
+    return f"{secs / 86400:.1f} days ago"

@@ -26,7 +26,7 @@ from loopkit.plugins.checkpoint.tf_file import (
     DEFAULT_BASENAME, checkpoint_path, read_backend_name, read_state,
 )
 
-__all__ = ["Backends", "FORMATS", "Located", "locate"]
+__all__ = ["Backends", "FORMATS", "Located", "locate", "stored_at"]
 
 FORMATS = (
     "a logdir holding checkpoints (the one a restart recovers), or a checkpoint path "
@@ -183,3 +183,14 @@ def locate(target: Path | str) -> Located:
     raise FileNotFoundError(
         f"no checkpoint at {target}: found {what}. loopkit reads "
         + FORMATS.format(backends=", ".join(names.names)))
+
+
+def stored_at(backend: Any, logdir: Path | str, base: str, step: int) -> Path | str:
+    """Where ``backend`` stores ``step``: its `path`, or for a backend with only the six
+    protocol methods, the name ``<base>-<step>`` (with one extension, if so) in `logdir`."""
+    if hasattr(backend, "path"):
+        return backend.path(step)
+    name = f"{base}-{step}"
+    pattern = re.compile(re.escape(name) + r"(\.[A-Za-z0-9]+)?")  # a final name (docs)
+    on_disk = sorted(n for n in storage.list_names(logdir) if pattern.fullmatch(n))
+    return storage.join(logdir, on_disk[0] if on_disk else name)

@@ -4,7 +4,7 @@ Saves run on the shared timer (`save_model_secs` / `save_model_steps`) and once
 more at a normal stop. A save is started from the main thread (the backend may
 write asynchronously); a commit thread (`tier.Commit`) then waits for it to be
 durable and only then, on the chief, rewrites ``logdir/checkpoint`` and applies
-retention (`retention.Ledger`; the first publish also records the backend's name
+retention (`retention.CheckpointList`; the first publish also records the backend's name
 beside the file, `tf_file.write_backend_name`). At most one save is in flight: the
 next save, and the stop, first wait for the previous commit. An error while
 committing stops the run and is re-raised from `train`. Recovery at start-up is
@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import jax
 
@@ -38,7 +38,6 @@ from loopkit.plugin.backend import CheckpointBackend, Restored
 from loopkit.config import Config
 from loopkit.plugin.hookspec import hookimpl
 from loopkit.state.pytree import abstract, check_storable, conform
-from loopkit.loop.stash import StashKey
 from loopkit.plugins.checkpoint.position import encode_position, gather_positions
 from loopkit.storage.retry import retry_secs
 from loopkit.plugins.checkpoint import rollback
@@ -46,12 +45,13 @@ from loopkit.plugins.checkpoint.recovery import (
     durable_best, find_local, find_restorable,
 )
 from loopkit.plugins.checkpoint.replicas import SAVE_VETO, agree_to_save, host_copies
-from loopkit.plugins.checkpoint.retention import Ledger
+from loopkit.plugins.checkpoint.retention import CheckpointList
 from loopkit.plugins.checkpoint.tier import SharedHold, Tier, refuse_a_file
-from loopkit.plugins.goodput.cadence import AutoInterval
-from loopkit.plugins.goodput.ledger import SAVE_TIMES, SaveTimes
+from loopkit.plugins.shared import (
+    AUTO_INTERVAL, RESTORED_TIER, SAVE_TIMES, IntervalPolicy, SaveTimes,
+)
 
-__all__ = ["BUILTIN_BACKENDS", "INACTIVE", "RESTORED_TIER", "CheckpointPlugin", "plugin"]
+__all__ = ["BUILTIN_BACKENDS", "INACTIVE", "CheckpointPlugin", "plugin"]
 
 log = logging.getLogger("loopkit")
 
@@ -66,7 +66,6 @@ BLOCKING_TAG = "loopkit/checkpoint_blocking_secs"
 LOCAL_BLOCKING_TAG = "loopkit/checkpoint_local_blocking_secs"
 
 #: which tier the session restored from: "durable", "local", or None (a fresh start)
-RESTORED_TIER = StashKey[Optional[str]]()
 
 
 class CheckpointPlugin:
@@ -85,7 +84,7 @@ class CheckpointPlugin:
         self._restored: tuple[int, list[int]] | None = None  # (step, leaf ids) just restored
         self._local_timer: Any = None  # the local tier's timer (its handle)
         self._timer: Any = None  # the durable tier's
-        self._auto: AutoInterval | None = None  # save_model_secs="auto"
+        self._auto: IntervalPolicy | None = None  # save_model_secs="auto"
         self._times = SaveTimes()  # the session's (in the stash: the ledger reads it)
 
     @property
@@ -147,7 +146,9 @@ class CheckpointPlugin:
         else:
             backend = spec
         name = spec if isinstance(spec, str) else None  # recorded for the helpers
-        return Tier(kind, backend, Ledger(directory, config, name),
+        local = config.local_checkpoint_dir if kind == "durable" else None
+        kept = CheckpointList(directory, config, name, None if local is None else str(local))
+        return Tier(kind, backend, kept,
                     owns_backend=isinstance(spec, str), chief_writes=kind == "durable")
 
     def _open(self, session: Any) -> Tier:
@@ -254,7 +255,11 @@ class CheckpointPlugin:
         self._times = session.stash.setdefault(SAVE_TIMES, SaveTimes())
         secs = self.config.save_model_secs or None
         if secs == "auto":
-            self._auto = AutoInterval(session)
+            policy = session.stash.get(AUTO_INTERVAL)
+            if policy is None:
+                raise ValueError('Config.save_model_secs="auto" needs the goodput plugin, '
+                                 "which measures the run: do not disable it")
+            self._auto = policy(session)
             secs = self._auto.interval
         steps = self.config.save_model_steps or None
         if secs or steps:

@@ -1,6 +1,6 @@
 """Retention: which committed checkpoints a logdir keeps, and the list its `checkpoint` file holds.
 
-`Ledger` keeps tf.train.Saver's rules in one place: the ``checkpoint`` file lists
+`CheckpointList` keeps tf.train.Saver's rules in one place: the ``checkpoint`` file lists
 checkpoints in save order; past `max_to_keep`, the oldest leave the list and the
 disk, except one every `keep_checkpoint_every_n_hours`, which leaves the list
 but stays on disk. Only the chief writes the file; the first time it does in a
@@ -21,17 +21,20 @@ if TYPE_CHECKING:
 
     from loopkit.config import Config
 
-__all__ = ["Ledger"]
+__all__ = ["CheckpointList"]
 
 
-class Ledger:
+class CheckpointList:
     """The committed steps of a logdir and the list its `checkpoint` file holds."""
 
     def __init__(self, logdir: str | os.PathLike[str], config: Config,
-                 backend_name: str | None = None) -> None:
+                 backend_name: str | None = None, local_dir: str | None = None) -> None:
         self.logdir = logdir
-        #: the name the backend was built by (None: an instance), recorded at the first write
+        #: the name the backend was built by (None: an instance), recorded at the first
+        #: write with the run's local tier (`local_dir`, the durable tier's list only)
         self.backend_name = backend_name
+        self.local_dir = local_dir
+        self._recorded = False
         self.basename = config.checkpoint_basename
         self.keep = config.max_to_keep or None  # as tf.train.Saver: 0 or None keeps all
         self.hours = config.keep_checkpoint_every_n_hours
@@ -90,9 +93,10 @@ class Ledger:
         return doomed
 
     def write(self, latest: int | None) -> None:
-        if self.backend_name is not None:  # before the file names a checkpoint it wrote
-            write_backend_name(self.logdir, self.backend_name)
-            self.backend_name = None  # once a session
+        if not self._recorded and (self.backend_name or self.local_dir):
+            # before the file names a checkpoint it wrote; once a session
+            write_backend_name(self.logdir, self.backend_name, self.local_dir)
+            self._recorded = True
         write_state(self.logdir, CheckpointState(
             basename=self.basename, latest=latest, listed=list(self.listed),
             last_preserved_timestamp=self.last_preserved if self.hours else None,

@@ -21,6 +21,7 @@ import logging
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 from loopkit import storage
 from loopkit.storage.retry import retrying
@@ -30,6 +31,7 @@ __all__ = [
     "CheckpointState",
     "checkpoint_path",
     "read_backend_name",
+    "read_local_dir",
     "read_state",
     "recovery_order",
     "write_backend_name",
@@ -182,20 +184,44 @@ def recovery_order(state: CheckpointState | None, committed: list[int] | set[int
     return sorted(committed, reverse=True)
 
 
-def write_backend_name(logdir: str | os.PathLike[str], name: str) -> None:
-    """Record, beside the `checkpoint` file, that the backend called ``name`` writes here."""
-    data = json.dumps({"checkpoint_backend": name}).encode("utf-8")
-    _write(storage.join(storage.normalise(logdir), BACKEND_FILE), data)
+def write_backend_name(logdir: str | os.PathLike[str], name: str | None,
+                       local_dir: str | None = None) -> None:
+    """Record, beside the `checkpoint` file, that the backend called ``name`` writes here,
+    and the local tier the run keeps beside it on this host (for ``loopkit checkpoints``)."""
+    import socket
+
+    record: dict[str, Any] = {"checkpoint_backend": name}
+    if local_dir is not None:
+        record.update(local_checkpoint_dir=local_dir, host=socket.gethostname())
+    _write(storage.join(storage.normalise(logdir), BACKEND_FILE),
+           json.dumps(record).encode("utf-8"))
+
+
+def _backend_record(logdir: str | os.PathLike[str]) -> dict[str, Any]:
+    path = storage.join(storage.normalise(logdir), BACKEND_FILE)
+    try:
+        record = json.loads(storage.read_bytes(path).decode("utf-8"))
+    except (FileNotFoundError, NotADirectoryError):
+        return {}
+    except (OSError, ValueError) as ex:
+        log.warning("loopkit: cannot read %s (%s); ignoring it", path, ex)
+        return {}
+    return record if isinstance(record, dict) else {}
 
 
 def read_backend_name(logdir: str | os.PathLike[str]) -> str | None:
     """The backend name recorded in `logdir` (`write_backend_name`); None when there is none."""
-    path = storage.join(storage.normalise(logdir), BACKEND_FILE)
-    try:
-        name = json.loads(storage.read_bytes(path).decode("utf-8")).get("checkpoint_backend")
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    except (OSError, ValueError, AttributeError) as ex:
-        log.warning("loopkit: cannot read %s (%s); ignoring it", path, ex)
-        return None
+    name = _backend_record(logdir).get("checkpoint_backend")
     return name if isinstance(name, str) and name else None
+
+
+def read_local_dir(logdir: str | os.PathLike[str]) -> str | None:
+    """The local tier recorded in `logdir` by a run on this host (None: none, or another
+    host's, whose disk this is not)."""
+    import socket
+
+    record = _backend_record(logdir)
+    local = record.get("local_checkpoint_dir")
+    if not isinstance(local, str) or record.get("host") != socket.gethostname():
+        return None
+    return local

@@ -19,9 +19,9 @@ from typing import Any, Callable
 from loopkit.plugin.backend import CheckpointBackend
 from loopkit.loop.coordinator import add_note
 from loopkit.errors import CheckpointError
-from loopkit.plugins.checkpoint.retention import Ledger
+from loopkit.plugins.checkpoint.retention import CheckpointList
 from loopkit.plugins.checkpoint.tf_file import CheckpointState, checkpoint_path
-from loopkit.plugins.goodput.ledger import SAVE_TIMES, SaveTimes, SaveTiming
+from loopkit.plugins.shared import SAVE_TIMES, SaveTimes, SaveTiming
 from loopkit.process.run_status import checkpoint_committed
 
 __all__ = ["Beside", "Commit", "SharedHold", "Tier", "refuse_a_file"]
@@ -147,7 +147,7 @@ class Tier:
     process in its own (the local tier).
     """
 
-    def __init__(self, kind: str, backend: CheckpointBackend, ledger: Ledger,
+    def __init__(self, kind: str, backend: CheckpointBackend, ledger: CheckpointList,
                  owns_backend: bool, chief_writes: bool) -> None:
         self.kind = kind
         self.backend, self.ledger = backend, ledger

@@ -3,7 +3,7 @@
 `Ledger` is what a plugin uses to add a line: the goodput plugin puts the
 session's one in the stash under `LEDGER`, so the watchdog (a hang) or a
 rollback writes ``session.stash.get(LEDGER)`` ``.write(Rollback(...))`` with no
-other coupling. The checkpoint plugin reports its saves under `SAVE_TIMES`.
+other coupling. The checkpoint plugin reports its saves under `loopkit.plugins.shared.SAVE_TIMES`.
 
 On a local logdir each record is appended in place (one write, flush, fsync).
 Under a URL an object cannot be appended to: the ledger is kept in a local
@@ -13,13 +13,11 @@ off the caller's thread, as the event files are (`loopkit.plugins.mirror.Mirror`
 
 from __future__ import annotations
 
-import collections
-import dataclasses
 import shutil
 import tempfile
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from loopkit import storage
 from loopkit.plugins.mirror import Mirror
@@ -31,7 +29,7 @@ from loopkit.plugins.goodput.records import (
 if TYPE_CHECKING:
     from loopkit.plugins.goodput.report import GoodputReport
 
-__all__ = ["LEDGER", "SAVE_TIMES", "Ledger", "SaveTiming", "SaveTimes"]
+__all__ = ["LEDGER", "Ledger"]
 
 
 class Ledger:
@@ -95,53 +93,3 @@ class Ledger:
 
 #: the session's `Ledger` (chief only, while the goodput plugin runs)
 LEDGER: StashKey[Ledger] = StashKey()
-
-
-@dataclasses.dataclass
-class SaveTiming:
-    """One save: how long it held the loop, and its commit beside the steps.
-
-    `commit_secs` runs from the end of the hold to durable. `overlap_secs` is the
-    part of it the loop went on stepping (until the commit ended or the loop
-    joined it), during which `overlap_steps` steps ran.
-    """
-
-    step: int
-    hold_secs: float
-    commit_secs: float = 0.0
-    overlap_secs: float = 0.0
-    overlap_steps: int = 0
-
-
-@dataclasses.dataclass
-class SaveTimes:
-    """What the checkpoint plugin reports: the seconds it held the loop, and saves done."""
-
-    #: seconds the loop was held by saves (their start, a wait for a commit, the final save)
-    held_secs: float = 0.0
-    #: committed saves not yet taken into a ledger record (appended by commit threads)
-    committed: collections.deque[SaveTiming] = dataclasses.field(
-        default_factory=collections.deque)
-
-    #: every tier's commits not yet recorded: (step, tier, wall time), from commit threads
-    saved: collections.deque[tuple[int, str, float]] = dataclasses.field(
-        default_factory=collections.deque)
-
-    def take(self) -> list[SaveTiming]:
-        """The committed saves not taken yet (thread-safe against the commit threads)."""
-        return _drain(self.committed)
-
-    def take_saved(self) -> list[tuple[int, str, float]]:
-        """Every tier's commits not taken yet: (step, tier, wall time)."""
-        return _drain(self.saved)
-
-
-def _drain(queue: collections.deque[Any]) -> list[Any]:
-    taken = []
-    while queue:
-        taken.append(queue.popleft())
-    return taken
-
-
-#: the checkpoint plugin's `SaveTimes` for this session
-SAVE_TIMES: StashKey[SaveTimes] = StashKey()

@@ -25,7 +25,9 @@ import jax
 from loopkit import storage
 from loopkit.config import Config
 from loopkit.plugin.hookspec import hookimpl
-from loopkit.plugins.goodput.ledger import LEDGER, SAVE_TIMES, Ledger, SaveTimes
+from loopkit.plugins.goodput.cadence import AutoInterval
+from loopkit.plugins.goodput.ledger import LEDGER, Ledger
+from loopkit.plugins.shared import AUTO_INTERVAL, RESTORED_TIER, SAVE_TIMES, SaveTimes
 from loopkit.plugins.goodput.records import Rollback, Start, Stop, Window
 from loopkit.plugins.goodput.report import CAUSES, GoodputReport
 
@@ -108,6 +110,7 @@ class GoodputPlugin:
     @hookimpl(tryfirst=True)  # first of the built-ins: its timer runs first at a boundary
     def session_create(self, session: Session) -> None:
         self._saves = session.stash.setdefault(SAVE_TIMES, SaveTimes())
+        session.stash[AUTO_INTERVAL] = AutoInterval  # save_model_secs="auto", every process
         if not session.is_chief:
             return
         self._opened = time.time()
@@ -130,7 +133,6 @@ class GoodputPlugin:
         self._mark(session, now)
 
     def _start_record(self, session: Session, now: float, first_step: bool) -> Start:
-        from loopkit.plugins.checkpoint.plugin import RESTORED_TIER  # its key, when it ran
 
         restored = session.restored
         stats = session.stats
