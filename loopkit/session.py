@@ -21,6 +21,7 @@ from loopkit.coordinator import (
     Coordinator, LooperThread, SignalHandlers, add_note, raise_stop_errors,
 )
 from loopkit.data import Lookahead, make_input
+from loopkit.logdir_claim import claim_logdir, stop_asked
 from loopkit.logdir_lock import LogdirLock
 from loopkit.opening import recover_or_init
 from loopkit.run_status import write_status
@@ -308,9 +309,14 @@ class Session:
 
     def _prepare(self, init: Any, data: Any) -> None:
         hook = self.hook
-        if self.logdir is not None and self.is_chief:  # one run per logdir
-            self._lock = LogdirLock(self.logdir, on_lost=self.coord.request_stop)
-            self._lock.acquire()
+        if self.logdir is not None:  # one run per logdir; a URL's store reached
+            coord = self.coord
+            self._lock = claim_logdir(
+                self.logdir, chief=self.is_chief,
+                together=self.config.is_chief is None and jax.process_count() > 1,
+                # a lease lost mid-run stops every process at one agreed step
+                on_lost=lambda ex: coord.request_stop(ex, agreed=True),
+                interrupted=lambda: stop_asked(coord))
         self._uncache = use_compilation_cache(self.config.compilation_cache, self.logdir)
         restored = recover_or_init(self, init)  # the state, restored or fresh, checked
         if data is not None:
