@@ -408,11 +408,10 @@ def _first_step(proc: subprocess.Popen, at_least: int = 1) -> str:
 
 
 def test_a_restart_after_sigkill_takes_its_own_lease_over_at_once(store, tmp_path,
-                                                                    monkeypatch):
+                                                                    default_lease):
     """Default lease settings (renewed every 30 s, expiring after 2 minutes): the killed
     run's lease names this host and a process that no longer exists, so the restart takes
     it over at once and reaches its first step within 30 s."""
-    monkeypatch.delenv("LOOPKIT_LEASE_RENEW_SECS", raising=False)
     url = store.url("run")
     cmd = [sys.executable, "-c", SLOW_RUN, url, "1000"]
     first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -451,8 +450,11 @@ def _distributed():
 def default_lease(monkeypatch):
     """The lease's default settings (renewed every 30 s, expiring after 2 minutes): a
     killed job's restart takes its lease over at once, never waiting for it to expire
-    (the processes inherit this environment)."""
-    monkeypatch.delenv("LOOPKIT_LEASE_RENEW_SECS", raising=False)
+    (the processes inherit this environment; no job id of the test runner's own)."""
+    from loopkit.logdir_lock import JOB_ENVS
+
+    for name in ("LOOPKIT_LEASE_RENEW_SECS", *JOB_ENVS):
+        monkeypatch.delenv(name, raising=False)
 
 
 def _dirs(tmp_path, *names):
