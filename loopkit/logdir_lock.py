@@ -311,7 +311,7 @@ class LogdirLock:
         if not age < expiry:
             why = f"its lease, {renewed}, has expired"
         elif watched is not None and self._clock() >= watched[1]:
-            why = f"its lease, {renewed} when this run came, was not renewed for {expiry:.0f} s"
+            why = f"its lease was not renewed in the {expiry:.0f} s this run watched it"
         else:
             why = None
         if why is not None:
