@@ -20,6 +20,7 @@ from loopkit.loop.coordinator import (
     Coordinator, LooperThread, SignalHandlers, add_note, raise_stop_errors,
 )
 from loopkit.loop.data import Lookahead, make_input
+from loopkit.process.logdir_claim import claim_logdir, stop_asked
 from loopkit.process.logdir_lock import LogdirLock
 from loopkit.state.opening import recover_or_init
 from loopkit.process.run_status import error_fields, update_status, write_status
@@ -298,10 +299,16 @@ class Session:
     def _prepare(self, init: Any, data: Any) -> None:
         hook = self.hook
         hook.session_open(session=self)  # before anything that can block (the watchdog)
-        if self.logdir is not None and self.is_chief:  # one run per logdir
-            self.phase = "taking the logdir lock"
-            self._lock = LogdirLock(self.logdir, on_lost=self.coord.request_stop)
-            self._lock.acquire()
+        if self.logdir is not None:  # one run per logdir; a URL's store reached
+            coord = self.coord
+            if self.is_chief:
+                self.phase = "taking the logdir lock"
+            self._lock = claim_logdir(
+                self.logdir, chief=self.is_chief,
+                together=self.config.is_chief is None and jax.process_count() > 1,
+                # a lease lost mid-run stops every process at one agreed step
+                on_lost=lambda ex: coord.request_stop(ex, agreed=True),
+                interrupted=lambda: stop_asked(coord))
         # `loopkit run` learns whose child this is (only the chief's records restarts)
         write_status(stop_reason=None, logdir=self.logdir, process_index=jax.process_index(),
                      is_chief=self.is_chief)

@@ -341,9 +341,10 @@ def test_sigkill_during_saves_to_a_bucket_then_resume_equals_uninterrupted(store
                               checkpoint_backend=None, disable=("summaries",),
                               progress=False, autoload=False).state
     url, out, log = store.url("run"), tmp_path / "final.npz", tmp_path / "stderr.txt"
-    # a killed life leaves its lease on the logdir: the next one waits for it to expire
-    # (4 renewals), quickly here
-    env = dict(os.environ, LOOPKIT_DISABLE_PLUGIN_AUTOLOAD="1", LOOPKIT_LEASE_RENEW_SECS="0.5")
+    # a killed life leaves its lease on the logdir: the next one takes it over at once
+    # (this host, a process that no longer exists), with the default lease settings
+    env = dict(os.environ, LOOPKIT_DISABLE_PLUGIN_AUTOLOAD="1")
+    env.pop("LOOPKIT_LEASE_RENEW_SECS", None)
     starts, kills = [], 0
     for life in range(6):
         with open(log, "ab") as err:
@@ -382,6 +383,57 @@ def test_sigkill_during_saves_to_a_bucket_then_resume_equals_uninterrupted(store
     assert loopkit.latest_checkpoint(url) == (max_steps, f"{url}/model.ckpt-{max_steps}")
 
 
+# trains slowly until killed or max_steps; prints "STEP n" once it is in the loop
+SLOW_RUN = """
+import sys, time, jax.numpy as jnp, loopkit
+class Report:
+    @loopkit.hookimpl
+    def after_step(self, step):
+        print("STEP", step, flush=True)
+        time.sleep(0.1)
+loopkit.train(lambda s: (s + 1, {"loss": s}), init=jnp.zeros(()), logdir=sys.argv[1],
+              max_steps=int(sys.argv[2]), save_model_steps=2, save_model_secs=None,
+              plugins=[Report()], progress=False, autoload=False)
+"""
+
+
+def _first_step(proc: subprocess.Popen, at_least: int = 1) -> str:
+    """Read the process's output up to its step `at_least`; the lines before it."""
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if line.startswith("STEP") and int(line.split()[1]) >= at_least:
+            return "".join(seen)
+    raise AssertionError(f"no step {at_least}: {''.join(seen)}\n{proc.stderr.read()[-3000:]}")
+
+
+def test_a_restart_after_sigkill_takes_its_own_lease_over_at_once(store, tmp_path,
+                                                                    default_lease):
+    """Default lease settings (renewed every 30 s, expiring after 2 minutes): the killed
+    run's lease names this host and a process that no longer exists, so the restart takes
+    it over at once and reaches its first step within 30 s."""
+    url = store.url("run")
+    cmd = [sys.executable, "-c", SLOW_RUN, url, "1000"]
+    first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _first_step(first, 5)
+        assert storage.exists(f"{url}/.loopkit-lease.json")
+    finally:
+        first.kill()
+        first.communicate(timeout=60)
+    t0 = time.monotonic()
+    restart = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _first_step(restart)
+        took = time.monotonic() - t0
+    finally:
+        restart.kill()
+        _, err = restart.communicate(timeout=60)
+    assert f"process {first.pid} no longer exists" in err, err[-3000:]
+    assert "waiting up to" not in err
+    assert took < 30, took
+
+
 # -- many processes: each writes its own part, the chief commits ---------------------------
 
 
@@ -395,10 +447,14 @@ def _distributed():
 
 
 @pytest.fixture
-def quick_lease(monkeypatch):
-    """A killed job leaves its lease on the logdir: the next one waits 4 renewals for it
-    to expire, quickly here (the processes inherit this environment)."""
-    monkeypatch.setenv("LOOPKIT_LEASE_RENEW_SECS", "0.5")
+def default_lease(monkeypatch):
+    """The lease's default settings (renewed every 30 s, expiring after 2 minutes): a
+    killed job's restart takes its lease over at once, never waiting for it to expire
+    (the processes inherit this environment; no job id of the test runner's own)."""
+    from loopkit.process.logdir_lock import JOB_ENVS
+
+    for name in ("LOOPKIT_LEASE_RENEW_SECS", *JOB_ENVS):
+        monkeypatch.delenv(name, raising=False)
 
 
 def _dirs(tmp_path, *names):
@@ -414,7 +470,7 @@ SHARDED = ("--save-steps", "5", "--shard-state")
 
 @one_store("gs")
 def test_two_processes_sigkilled_on_a_bucket_resume_bitwise_and_others_read_it(
-        store, tmp_path, quick_lease):
+        store, tmp_path, default_lease):
     """`w` is sharded over both processes' devices by init; `m` (as optax's state, a
     `zeros_like(w)`) follows it without init placing it, and resumes with the layout
     the run saved."""
@@ -445,6 +501,10 @@ def test_two_processes_sigkilled_on_a_bucket_resume_bitwise_and_others_read_it(
 
     outs = d.finish(d.start(url, run, 2, 120, *args, devices=2))
     assert all(f"READY {step}" in out and "RESULT 120 max_steps" in out for _, out, _ in outs)
+    # the chief took its killed predecessor's lease over at once; process 1 waited for
+    # it before the restore's first collective
+    assert f"process {procs[0].pid} no longer exists" in outs[0][2], outs[0][2][-3000:]
+    assert "waiting up to" not in outs[0][2]
     assert all(m_sharded in out for _, out, _ in outs), outs  # the saved layout, not replicated
     # each process downloaded its own shards of `w` only, not the other process's 2 (and
     # `m` whole: its read follows the saved layout, which the download does not know)
@@ -477,7 +537,8 @@ def test_two_processes_sigkilled_on_a_bucket_resume_bitwise_and_others_read_it(
 
 
 @one_store("s3")
-def test_a_one_process_checkpoint_on_a_bucket_resumes_on_two(store, tmp_path, quick_lease):
+def test_a_one_process_checkpoint_on_a_bucket_resumes_on_two(store, tmp_path,
+                                                            default_lease):
     """The job grew: a checkpoint one process wrote (OCDBT) is read whole by each of 2."""
     d = _distributed()
     one, two = _dirs(tmp_path, "one", "two")
@@ -495,7 +556,7 @@ def test_a_one_process_checkpoint_on_a_bucket_resumes_on_two(store, tmp_path, qu
 
 @one_store("gs")
 def test_a_process_killed_writing_its_part_leaves_no_named_checkpoint(
-        store, tmp_path, quick_lease):
+        store, tmp_path, default_lease):
     d = _distributed()
     ref, run = _dirs(tmp_path, "ref", "run")
     url = store.url("run")
@@ -535,7 +596,7 @@ def test_a_process_killed_writing_its_part_leaves_no_named_checkpoint(
     ("s3", "--fail-uploading", "injected upload failure"),
     ("gs", "--fail-local-save", "injected local save failure")], indirect=["store"])
 def test_a_failed_upload_of_one_part_fails_the_save_on_every_process(
-        store, tmp_path, quick_lease, option, error, monkeypatch):
+        store, tmp_path, default_lease, option, error, monkeypatch):
     monkeypatch.setenv("LOOPKIT_STORE_RETRY_SECS", "2")  # the upload is retried this long
     d = _distributed()
     ref, run = _dirs(tmp_path, "ref", "run")
@@ -562,7 +623,7 @@ def test_a_failed_upload_of_one_part_fails_the_save_on_every_process(
 
 @one_store("s3")
 def test_a_failed_download_on_one_process_sends_both_to_the_previous_checkpoint(
-        store, tmp_path, quick_lease):
+        store, tmp_path, default_lease):
     """Process 1 finds an object of step 10 missing (wrong content; an error of the store
     would fail both: tests/plugins/test_store_errors.py): both processes pass it over
     together, before orbax's read (whose closing barrier would hold process 0 for
@@ -586,7 +647,7 @@ def test_a_failed_download_on_one_process_sends_both_to_the_previous_checkpoint(
 
 @one_store("gs")
 def test_a_blocked_process_on_a_bucket_ends_both_and_the_reports_go_there(
-        store, tmp_path, quick_lease):
+        store, tmp_path, default_lease):
     """The hang watchdog on a URL logdir: the same exit and reports as on a local one;
     and the chief's events and goodput ledger are mirrored there."""
     d = _distributed()
@@ -608,7 +669,7 @@ def test_a_blocked_process_on_a_bucket_ends_both_and_the_reports_go_there(
 
 @one_store("gs")
 def test_two_processes_with_local_tiers_and_a_bucket_resume_from_the_local_tiers(
-        store, tmp_path, quick_lease):
+        store, tmp_path, default_lease):
     """The durable tier on a bucket, each process's local tier on its own disk: a job
     SIGKILLed after local saves newer than the durable one resumes from the local tiers,
     bitwise."""
@@ -647,3 +708,137 @@ def test_two_processes_npz_on_a_bucket_the_chief_uploads_the_replicas(store, tmp
     for i in (0, 1):
         for k in ("w", "b"):
             assert d.load(run / f"p{i}.npz")[k].tobytes() == want[k].tobytes(), (i, k)
+
+
+def _their_lease(store, path: str, **fields) -> None:
+    """A lease of a run on another host, renewed now (an unknown holder, alive so far)."""
+    lease = {"host": "elsewhere", "pid": 4242, "started": "earlier", "token": "theirs",
+             "renewed": time.time(), **fields}
+    store.put(f"{path}/.loopkit-lease.json", json.dumps(lease).encode())
+
+
+@one_store("s3")
+def test_two_processes_on_a_logdir_another_run_holds_both_fail_naming_it(
+        store, tmp_path, monkeypatch):
+    """The chief finds a live run's lease (renewed while it watches): it fails with
+    `LogdirInUseError`, and process 1, which waited for the chief's word instead of
+    going ahead into the restore's collective, fails with it at once."""
+    monkeypatch.setenv("LOOPKIT_LEASE_RENEW_SECS", "1")
+    d = _distributed()
+    url = store.url("run")
+    stop = threading.Event()
+
+    def renew():  # the other run, alive: it renews its lease every 0.3 s
+        while not stop.is_set():
+            _their_lease(store, "run")
+            stop.wait(0.3)
+
+    renewer = threading.Thread(target=renew, daemon=True)
+    renewer.start()
+    try:
+        outs = d.finish(d.start(url, tmp_path, 2, 20, *SHARDED, devices=2), ok=False)
+    finally:
+        stop.set()
+        renewer.join(timeout=10)
+    chief, other = outs[0][2], outs[1][2]
+    assert "LogdirInUseError: the logdir" in chief and "process 4242 on host 'elsewhere'" \
+        in chief, chief[-3000:]
+    assert "LogdirInUseError: process 0 could not open the logdir: LogdirInUseError" in other, \
+        other[-3000:]
+    assert "Gloo" not in chief + other
+    assert not [k for k in store.objects("run/") if "model.ckpt" in k]  # nothing written
+
+
+@one_store("gs")
+def test_a_lease_lost_during_a_two_process_run_stops_both_at_one_step(
+        store, tmp_path, monkeypatch):
+    """Another run takes the lease over mid-run: the chief finds out at its next renewal,
+    and both processes stop together at the next agreement (neither is left waiting in
+    a collective for the other)."""
+    monkeypatch.setenv("LOOPKIT_LEASE_RENEW_SECS", "0.5")
+    d = _distributed()
+    url = store.url("run")
+    procs = d.start(url, tmp_path, 2, 100_000, "--save-steps", "50", sleeps=[0.01, 0.01])
+    d.wait_ready(procs)
+    time.sleep(1.0)
+    _their_lease(store, "run", renewed=time.time() + 3600)  # it stays theirs
+    outs = d.finish(procs, ok=False)
+    chief, other = outs[0][2], outs[1][2]
+    assert "it took this run's lease over" in chief, chief[-3000:]
+    assert "process 0 failed in a background thread" in other, other[-3000:]
+    stopped = [out.split("STOPPED ")[1].split()[:2] for _, out, _ in outs]
+    assert stopped[0][0] == stopped[1][0], stopped  # at one step
+    assert [error for _, error in stopped] == ["LogdirInUseError", "RuntimeError"]
+    assert f"every process stops at step {stopped[0][0]}" in other
+
+
+@one_store("s3")
+def test_a_bucket_without_credentials_fails_at_start_up_in_one_line(store, monkeypatch):
+    import s3fs
+
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    s3fs.S3FileSystem.clear_instance_cache()
+    t0 = time.monotonic()
+    with pytest.raises(PermissionError) as caught:
+        train(store.url("run"), "npz", 2)
+    assert time.monotonic() - t0 < 30
+    message = str(caught.value)
+    assert message.startswith(f"the logdir {store.url('run')!r} needs credentials")
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE",
+                 "AWS_ENDPOINT_URL"):
+        assert name in message
+    assert "\n" not in message and "NoCredentialsError" in message
+    assert caught.value.__suppress_context__  # no botocore traceback below it
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    s3fs.S3FileSystem.clear_instance_cache()
+    assert not store.objects()  # it wrote nothing
+
+
+# a URL logdir on an endpoint given in the environment, for the test below
+REACH = """
+import sys, jax.numpy as jnp, loopkit
+loopkit.train(lambda s: (s + 1, {}), init=jnp.zeros(()), logdir=sys.argv[1], max_steps=2,
+              progress=False, autoload=False)
+"""
+
+
+def test_an_endpoint_that_does_not_answer_fails_within_30_s_naming_it(tmp_path):
+    """S3 on a socket that accepts and never answers, GCS on a closed port (gcsfs retries
+    a refused connection for 35 s): each process ends within 30 s, naming the endpoint."""
+    import socket
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(64)
+    closed = free_port()
+    base = {k: v for k, v in os.environ.items()
+            if not k.startswith(("AWS_", "GOOGLE_", "STORAGE_EMULATOR", "TENSORSTORE_"))}
+    s3 = dict(base, AWS_ENDPOINT_URL=f"http://127.0.0.1:{silent.getsockname()[1]}",
+              AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
+              AWS_REGION="us-east-1", AWS_CONFIG_FILE=str(tmp_path / "none"),
+              AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"))
+    gs = dict(base, STORAGE_EMULATOR_HOST=f"http://127.0.0.1:{closed}", NO_GCE_CHECK="true",
+              GOOGLE_APPLICATION_CREDENTIALS=str(tmp_path / "none"))
+    t0 = time.monotonic()
+    procs = {endpoint: subprocess.Popen([sys.executable, "-c", REACH, url], env=env,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        text=True)
+             for url, env, endpoint in [
+                 ("s3://a-bucket/run", s3, f"{s3['AWS_ENDPOINT_URL']} (AWS_ENDPOINT_URL)"),
+                 ("gs://a-bucket/run", gs,
+                  f"{gs['STORAGE_EMULATOR_HOST']} (STORAGE_EMULATOR_HOST)")]}
+    try:
+        for endpoint, proc in procs.items():
+            _, err = proc.communicate(timeout=60)
+            took = time.monotonic() - t0
+            assert proc.returncode == 1
+            last = err.strip().splitlines()[-1]
+            assert last.startswith("ConnectionError: the logdir "), err[-3000:]
+            assert endpoint in last, last
+            assert took < 30, (took, last)
+    finally:
+        silent.close()
+        for proc in procs.values():
+            proc.kill()

@@ -179,6 +179,10 @@ def main():
                       f"local={len(x.sharding.addressable_devices)}x{shards}", flush=True)
 
         @loopkit.hookimpl
+        def on_stop(self, session, error):
+            print(f"STOPPED {session.step} {type(error).__name__}", flush=True)
+
+        @loopkit.hookimpl
         def after_step(self, step):
             if args.step_sleep:
                 time.sleep(args.step_sleep)
