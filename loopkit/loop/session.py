@@ -67,21 +67,12 @@ class Session:
         )
         self._state: PyTree = None
         self.step: int = 0
+        # what each public attribute means: `loopkit.plugin.view.SessionView`
         self.metrics: Mapping[str, Any] = {}
-        #: the chief's event writer while the summaries plugin runs (a tensorboardX
-        #: `SummaryWriter`), else None
         self.summary_writer: Any = None
-        #: what `restore_state` recovered, or None for a fresh start
         self.restored: Restored | None = None
-        #: the input the loop reads (None when `train` got ``data=None`` or in the
-        #: Supervisor idiom, where the user feeds `run(batch)`)
         self.input: Input | None = None
-        #: per-session plugin state (`StashKey` -> value)
         self.stash = Stash()
-        #: what the start-up is doing ("taking the logdir lock", "restoring step 40",
-        #: "waiting for the first batch"): set at start-up points only, never per step,
-        #: so once the first step has run it holds the last of them (a hang watchdog
-        #: reads it from its own thread; a plugin may refine it while it starts up)
         self.phase: str = "opening the session"
         self.plugin_manager = pm
         self.hook = pm.hook

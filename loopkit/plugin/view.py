@@ -56,12 +56,20 @@ class SessionView(Protocol):
     step: int
     #: the latest step's metrics, possibly device arrays
     metrics: Mapping[str, Any]
-    #: the chief's event writer while the summaries plugin runs, else None
+    #: the chief's event writer while the summaries plugin runs (a tensorboardX
+    #: `SummaryWriter`), else None
     summary_writer: Any
     #: what recovery restored, or None for a fresh start
     restored: Restored | None
-    #: the input the loop reads, or None
+    #: the input the loop reads (None when `train` got ``data=None`` or in the
+    #: Supervisor idiom, where the user feeds `run(batch)`)
     input: Input | None
+    #: what the start-up is doing ("taking the logdir lock", "restoring step 40",
+    #: "waiting for the first batch"): set at start-up points only, never per step,
+    #: so once the first step has run it holds the last of them (a hang watchdog
+    #: reads it from its own thread; a plugin may refine it while it starts up)
+    phase: str
+    #: per-session plugin state (`StashKey` -> value)
     stash: Stash
     stats: SessionStats
     coord: Coordinator

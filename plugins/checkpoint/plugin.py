@@ -38,7 +38,8 @@ from loopkit.plugin.backend import CheckpointBackend, Restored
 from loopkit.config import Config
 from loopkit.plugin.hookspec import hookimpl
 from loopkit.state.pytree import abstract, check_storable, conform
-from loopkit.plugins.checkpoint.position import encode_position, gather_positions
+from loopkit.plugins.checkpoint.backends import BUILTIN_BACKENDS, builtin_backend
+from loopkit.plugins.checkpoint.position import checkpoint_metadata
 from loopkit.storage.retry import retry_secs
 from loopkit.plugins.checkpoint import rollback
 from loopkit.plugins.checkpoint.recovery import (
@@ -56,9 +57,6 @@ __all__ = ["BUILTIN_BACKENDS", "INACTIVE", "CheckpointPlugin", "plugin"]
 log = logging.getLogger("loopkit")
 
 INACTIVE = "needs Config.logdir and Config.checkpoint_backend (one of them is None)"
-
-#: the backend names this plugin's `checkpoint_backend` hook provides
-BUILTIN_BACKENDS = ("orbax", "npz")
 
 PyTree = Any
 
@@ -100,20 +98,7 @@ class CheckpointPlugin:
 
     @hookimpl(trylast=True)
     def checkpoint_backend(self, name: str, directory: Path | str, config: Config) -> Any:
-        basename = config.checkpoint_basename
-        if name == "orbax":
-            from loopkit.plugins.checkpoint.backends.orbax import OrbaxBackend as make
-        elif name == "npz":
-            from loopkit.plugins.checkpoint.backends.npz import NpzBackend as make
-        else:
-            return None
-        from loopkit.plugins.checkpoint.backends.staged import local_or_staged
-
-        # under a URL: staged on local disk, each process uploading its own part of
-        # each checkpoint (orbax: `own_files`), committed once all are there
-        extra = {"own_files": True} if name == "orbax" and storage.is_url(directory) else {}
-        return local_or_staged(directory, basename,
-                               lambda d: make(d, basename, config, **extra))
+        return builtin_backend(name, directory, config)
 
     def _tier(self, session: Any, kind: str, directory: Path | str,
               process_local: bool = False) -> Tier:
@@ -270,22 +255,6 @@ class CheckpointPlugin:
             self._local_timer = session.every(self._save_local, secs=secs, steps=steps,
                                               name="checkpoint_local")
 
-    def _metadata(self, session: Any, step: int) -> dict:
-        """The checkpoint's metadata (a collective with many processes' own positions)."""
-        inp = session.input
-        position = encode_position(inp.position(step) if inp is not None else None)
-        metadata = {
-            "step": step,
-            "data_position": position,
-            "timestamp": time.time(),
-            "process_count": jax.process_count(),
-        }
-        if jax.process_count() > 1 and inp is not None and inp.kind == "stateful":
-            metadata["data_positions"] = gather_positions(position)  # each reads its shard
-        if inp is not None and inp.skipped:  # rollbacks skipped batches: where the input is
-            metadata.update(consumed=step + inp.offset, skipped=[list(r) for r in inp.skipped])
-        return metadata
-
     def _save(self, session: Any, final: bool = False) -> None:
         """Start saving the current state (the timer action, and the `final` save).
 
@@ -328,7 +297,7 @@ class CheckpointPlugin:
                 return
         if local:
             hold.acquire()  # before the durable commit may release it
-        metadata = self._metadata(session, step)
+        metadata = checkpoint_metadata(session, step)
         tier.start(session, step, state, hold, metadata, (self._times, t0))
         self.blocking_secs = time.perf_counter() - t0
         if session.summary_writer is not None:
@@ -344,7 +313,7 @@ class CheckpointPlugin:
         tier, step = self.local, session.step
         assert tier is not None
         # the timer fires on every process at this step: what follows may differ by process
-        metadata = self._metadata(session, step) if staged is None else None
+        metadata = checkpoint_metadata(session, step) if staged is None else None
         refused = None
         if tier.last_save_step != step:  # else the durable save at this step saved it too
             tier.join(session, self.config.stop_grace_secs)

@@ -14,13 +14,14 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import time
 from typing import Any
 
 import jax
 import numpy as np
 
-__all__ = ["BYTES_KEY", "decode_position", "encode_position", "gather_positions",
-           "own_position"]
+__all__ = ["BYTES_KEY", "checkpoint_metadata", "decode_position", "encode_position",
+           "gather_positions", "own_position"]
 
 log = logging.getLogger("loopkit")
 
@@ -100,3 +101,22 @@ def own_position(metadata: dict, where: str) -> Any:
                     "has %d: every process resumes its data at process 0's position",
                     where, len(every), count)
     return decode_position(metadata.get("data_position"))
+
+
+def checkpoint_metadata(session: Any, step: int) -> dict:
+    """A checkpoint's metadata at `step`: the step, the input position (every process's,
+    gathered, with several processes reading their own shards: a collective), the
+    skipped ranges after a rollback."""
+    inp = session.input
+    position = encode_position(inp.position(step) if inp is not None else None)
+    metadata = {
+        "step": step,
+        "data_position": position,
+        "timestamp": time.time(),
+        "process_count": jax.process_count(),
+    }
+    if jax.process_count() > 1 and inp is not None and inp.kind == "stateful":
+        metadata["data_positions"] = gather_positions(position)  # each reads its shard
+    if inp is not None and inp.skipped:  # rollbacks skipped batches: where the input is
+        metadata.update(consumed=step + inp.offset, skipped=[list(r) for r in inp.skipped])
+    return metadata

@@ -10,3 +10,34 @@
 
 Heavy imports (orbax, tensorstore) happen when a backend is built, not here.
 """
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from loopkit import storage
+
+__all__ = ["BUILTIN_BACKENDS", "builtin_backend"]
+
+#: the names `Config.checkpoint_backend` takes without a plugin
+BUILTIN_BACKENDS = ("orbax", "npz")
+
+
+def builtin_backend(name: str, directory: Path | str, config: Any) -> Any:
+    """The built-in backend called `name` writing to `directory` (None: not a built-in).
+
+    Under a URL it is staged on local disk, each process uploading its own part of
+    each checkpoint (orbax: ``own_files``), and committed once all are there.
+    """
+    basename = config.checkpoint_basename
+    if name == "orbax":
+        from loopkit.plugins.checkpoint.backends.orbax import OrbaxBackend as make
+    elif name == "npz":
+        from loopkit.plugins.checkpoint.backends.npz import NpzBackend as make
+    else:
+        return None
+    from loopkit.plugins.checkpoint.backends.staged import local_or_staged
+
+    extra = {"own_files": True} if name == "orbax" and storage.is_url(directory) else {}
+    return local_or_staged(directory, basename, lambda d: make(d, basename, config, **extra))
