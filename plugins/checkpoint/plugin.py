@@ -41,7 +41,7 @@ from loopkit.state.pytree import abstract, check_storable, conform
 from loopkit.plugins.checkpoint.backends import BUILTIN_BACKENDS, builtin_backend
 from loopkit.plugins.checkpoint.position import checkpoint_metadata
 from loopkit.storage.retry import retry_secs
-from loopkit.plugins.checkpoint import rollback
+from loopkit.plugins.checkpoint import rollback_point
 from loopkit.plugins.checkpoint.recovery import (
     durable_best, find_local, find_restorable,
 )
@@ -216,15 +216,15 @@ class CheckpointPlugin:
         tiers = [t for t in (self.local, durable) if t is not None]
         for t in tiers:
             t.join(session, self.config.stop_grace_secs)
-        rollback.refuse_if_stuck(tiers)
-        options = rollback.candidates(self.local, durable, before_step)
-        rollback.drop_after(session, tiers, before_step,
+        rollback_point.refuse_if_stuck(tiers)
+        options = rollback_point.candidates(self.local, durable, before_step)
+        rollback_point.drop_after(session, tiers, before_step,
                             f"it holds the bad step {before_step} or a later one")
         like = abstract(session.state)
-        found = rollback.read_agreed(options, like)
+        found = rollback_point.read_agreed(options, like)
         if found is None:
             return None
-        rollback.drop_after(session, tiers, found.step + 1,  # an unreadable newer candidate
+        rollback_point.drop_after(session, tiers, found.step + 1,  # an unreadable newer candidate
                             f"it holds steps after {found.step}, whose batches are skipped")
         found.state = conform(found.state, like)
         return found

@@ -55,7 +55,7 @@ def run_restarted(logdir: str, kind: str, exit_code: int | None, signal: int | N
 
 def _goodput(args: argparse.Namespace) -> int:
     from loopkit.plugins.goodput import format_report
-    from loopkit.plugins.goodput.listing import format_sessions, report_json, session_rows
+    from loopkit.plugins.goodput.output import format_sessions, report_json, session_rows
     from loopkit.plugins.goodput.report import read_sessions, summarise_sessions
 
     logging.basicConfig(format="%(name)s: %(message)s")  # the skipped lines' warnings

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from loopkit import storage
-from loopkit.plugins.goodput.listing import describe_end, report_json, session_rows
+from loopkit.plugins.goodput.output import describe_end, report_json, session_rows
 from loopkit.plugins.goodput.records import Record, Rollback, Window, read_records
 from loopkit.plugins.goodput.report import GoodputReport, summarise, summarise_sessions
 from loopkit.plugins.goodput.sessions import LedgerSession, group, is_running
