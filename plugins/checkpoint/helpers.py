@@ -187,38 +187,10 @@ def from_pretrained(
         found = locate(storage.normalise(logdir_or_path, "logdir_or_path"))
         with contextlib.closing(found.backend):
             stored, read_leaves = _leaves_of(found.backend, found.step)
-            chosen = [
-                p for p in stored
-                if (include is None or any(fnmatch.fnmatchcase(p, pat) for pat in include))
-                and not any(fnmatch.fnmatchcase(p, pat) for pat in exclude)
-            ]
-            if not chosen:
-                raise ValueError(
-                    f"from_pretrained: include={include!r} exclude={exclude!r} choose no leaf "
-                    f"of {found.where}; its leaves are: {', '.join(sorted(stored)) or 'none'}"
-                )
+            chosen = _chosen(stored, include, exclude, found.where)
             keypaths, treedef = jax.tree_util.tree_flatten_with_path(state)
             fresh = {leaf_path(kp): (i, leaf) for i, (kp, leaf) in enumerate(keypaths)}
-            targets: dict[str, str] = {}
-            problems = []
-            for p in chosen:
-                q = _renamed(p, rename)
-                if q not in fresh:
-                    problems.append(f"  {p} (in the fresh state: {q}): no such leaf")
-                    continue
-                want = stored[p]
-                shape, dtype = shape_dtype(fresh[q][1])
-                if tuple(want.shape) != shape or np.dtype(want.dtype) != dtype:
-                    problems.append(
-                        f"  {p} (in the fresh state: {q}): checkpoint has shape "
-                        f"{tuple(want.shape)} dtype {np.dtype(want.dtype)}, the fresh state "
-                        f"shape {shape} dtype {dtype}"
-                    )
-                targets[q] = p
-            if problems:
-                raise ValueError(
-                    f"from_pretrained({found.where!r}) cannot load these leaves:\n" + "\n".join(problems)
-                )
+            targets = _targets(chosen, stored, fresh, rename, found.where)
             values = read_leaves(chosen)
         leaves = [leaf for _, leaf in keypaths]
         for q, p in targets.items():
@@ -228,3 +200,46 @@ def from_pretrained(
         return jax.tree_util.tree_unflatten(treedef, leaves)
 
     return init_fn
+
+
+def _chosen(stored: Mapping[str, Any], include: list[str] | None, exclude: list[str],
+            where: str) -> list[str]:
+    """The checkpoint paths `include` and `exclude` choose; none is an error."""
+    chosen = [
+        p for p in stored
+        if (include is None or any(fnmatch.fnmatchcase(p, pat) for pat in include))
+        and not any(fnmatch.fnmatchcase(p, pat) for pat in exclude)
+    ]
+    if not chosen:
+        raise ValueError(
+            f"from_pretrained: include={include!r} exclude={exclude!r} choose no leaf "
+            f"of {where}; its leaves are: {', '.join(sorted(stored)) or 'none'}"
+        )
+    return chosen
+
+
+def _targets(chosen: list[str], stored: Mapping[str, Any], fresh: Mapping[str, Any],
+             rename: Mapping[str, str], where: str) -> dict[str, str]:
+    """Each chosen leaf's path in the fresh state (after `rename`) -> its checkpoint
+    path; a leaf with no counterpart, or of another shape or dtype, is named in one error."""
+    targets: dict[str, str] = {}
+    problems = []
+    for p in chosen:
+        q = _renamed(p, rename)
+        if q not in fresh:
+            problems.append(f"  {p} (in the fresh state: {q}): no such leaf")
+            continue
+        want = stored[p]
+        shape, dtype = shape_dtype(fresh[q][1])
+        if tuple(want.shape) != shape or np.dtype(want.dtype) != dtype:
+            problems.append(
+                f"  {p} (in the fresh state: {q}): checkpoint has shape "
+                f"{tuple(want.shape)} dtype {np.dtype(want.dtype)}, the fresh state "
+                f"shape {shape} dtype {dtype}"
+            )
+        targets[q] = p
+    if problems:
+        raise ValueError(
+            f"from_pretrained({where!r}) cannot load these leaves:\n" + "\n".join(problems)
+        )
+    return targets
