@@ -21,6 +21,7 @@ from loopkit.loop.coordinator import (
 )
 from loopkit.loop.data import Lookahead, make_input
 from loopkit.process.logdir_lock import LogdirLock
+from loopkit.process.import_ahead import import_ahead
 from loopkit.state.opening import recover_or_init
 from loopkit.process.run_status import error_fields, update_status, write_status
 from loopkit.loop.scheduler import (
@@ -68,7 +69,7 @@ class Session:
         self.step: int = 0
         self.metrics: Mapping[str, Any] = {}
         #: the chief's event writer while the summaries plugin runs (a tensorboardX
-        #: `SummaryWriter`), else None
+        #: `SummaryWriter`, opened in the background: its first use waits), else None
         self.summary_writer: Any = None
         #: what `restore_state` recovered, or None for a fresh start
         self.restored: Restored | None = None
@@ -298,6 +299,9 @@ class Session:
     def _prepare(self, init: Any, data: Any) -> None:
         hook = self.hook
         hook.session_open(session=self)  # before anything that can block (the watchdog)
+        # the plugins' heavy imports (orbax, tensorboardX), beside the lock, the restore
+        # or init, and the first compile: their first users wait for them
+        import_ahead(self)
         if self.logdir is not None and self.is_chief:  # one run per logdir
             self.phase = "taking the logdir lock"
             self._lock = LogdirLock(self.logdir, on_lost=self.coord.request_stop)
