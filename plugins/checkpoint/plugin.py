@@ -95,8 +95,7 @@ class CheckpointPlugin:
     # -- the backend -------------------------------------------------------------------
 
     @hookimpl(tryfirst=True)  # first: a resume needs orbax before anything else does
-    def import_ahead(self) -> list[str]:
-        # the backend imports orbax at its first read or save, not when it is built
+    def import_ahead(self) -> list[str]:  # the backend imports it at its first read or save
         return ["orbax.checkpoint"] if self.config.checkpoint_backend == "orbax" else []
 
     @hookimpl(trylast=True)
