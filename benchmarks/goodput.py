@@ -2,7 +2,7 @@
 
     python benchmarks/goodput.py [--minutes 3] [--kill-every 60] [--fixed-secs 30]
                                  [--local-secs 10] [--width 2048] [--batch 64]
-                                 [--only clean,fixed,auto,local]
+                                 [--only clean,fixed,auto,local,bucket]
 
 Variants, each ``--minutes`` long, in fresh log directories:
 
@@ -12,7 +12,10 @@ Variants, each ``--minutes`` long, in fresh log directories:
    restarts it;
 3. chaos, ``save_model_secs="auto"``;
 4. chaos, the fixed interval and a local tier (``local_checkpoint_dir`` on the
-   temp dir's disk, ``save_local_secs=--local-secs``).
+   temp dir's disk, ``save_local_secs=--local-secs``);
+5. chaos, the fixed interval, the logdir on a bucket (``s3://``, moto's S3 server
+   on 127.0.0.1, started here as the tests start it): each restart takes over its
+   own dead lease at once (`loopkit run` gives its children a ``LOOPKIT_RUN_ID``).
 
 Each ends with SIGTERM to the runner (a clean stop, the final checkpoint). The
 goodput fraction and the badput table come from the run's ledger
@@ -102,13 +105,14 @@ def _trainer_pid(runner: subprocess.Popen) -> int | None:
     return int(pids[0]) if pids else None
 
 
-def variant(name: str, logdir: Path, save: str, args: argparse.Namespace,
-            chaos: bool, local: bool = False) -> dict:
-    tier = f"{logdir.parent / (name + '-local')}:{args.local_secs}" if local else "-"
+def variant(name: str, logdir: Path | str, save: str, args: argparse.Namespace,
+            chaos: bool, local: bool = False, base: Path | None = None) -> dict:
+    base = base or Path(logdir).parent
+    tier = f"{base / (name + '-local')}:{args.local_secs}" if local else "-"
     cmd = [sys.executable, "-m", "loopkit", "run", "--backoff-secs", "1",
            "--max-restarts", "1000", "--", sys.executable, str(HERE), "--child", str(logdir),
            save, str(args.width), str(args.batch), tier]
-    log = open(logdir.parent / f"{name}.log", "w")
+    log = open(base / f"{name}.log", "w")
     runner = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     rng = random.Random(args.seed)
     end = time.monotonic() + 60 * args.minutes
@@ -130,8 +134,13 @@ def variant(name: str, logdir: Path, save: str, args: argparse.Namespace,
     log.close()
     import loopkit
 
+    from loopkit.plugins.goodput.records import Start, read_records
+
     report = loopkit.goodput(logdir)
-    return {"name": name, "kills": kills, "report": report}
+    starts = [r for r in read_records(logdir) if isinstance(r, Start)][1:]  # restarts
+    firsts = sorted(r.time - r.process_start for r in starts)  # start to first step
+    return {"name": name, "kills": kills, "report": report,
+            "to_first_step": firsts[len(firsts) // 2] if firsts else None}
 
 
 def restart_costs(logdir: Path, args: argparse.Namespace) -> dict:
@@ -184,7 +193,7 @@ def main() -> None:
     p.add_argument("--width", type=int, default=2048)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--only", default="clean,fixed,auto,local")
+    p.add_argument("--only", default="clean,fixed,auto,local,bucket")
     args = p.parse_args()
     mib = 2 * 3 * args.width ** 2 * 4 / 2 ** 20
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; state "
@@ -194,10 +203,18 @@ def main() -> None:
     rows = []
     plan = {"clean": (str(args.fixed_secs), False, False),
             "fixed": (str(args.fixed_secs), True, False),
-            "auto": ("auto", True, False), "local": (str(args.fixed_secs), True, True)}
+            "auto": ("auto", True, False), "local": (str(args.fixed_secs), True, True),
+            "bucket": (str(args.fixed_secs), True, False)}
     for name in args.only.split(","):
         save, chaos, local = plan[name]
-        row = variant(name, base / name, save, args, chaos, local)
+        if name == "bucket":
+            sys.path.insert(0, str(HERE.parent))
+            from storage import start_s3  # moto's server, its environment in os.environ
+
+            _, bucket, _stop = start_s3()
+            row = variant(name, f"s3://{bucket}/{name}", save, args, chaos, local, base)
+        else:
+            row = variant(name, base / name, save, args, chaos, local)
         rows.append(row)
         r = row["report"]
         print(f"{name}: kills {row['kills']}, sessions {r.sessions}, goodput "
@@ -218,10 +235,16 @@ def main() -> None:
         print(f"| {cause} | " + " | ".join(vals) + " |")
     print("| SIGKILLs / sessions | " + " | ".join(
         f"{r['kills']} / {r['report'].sessions}" for r in rows) + " |")
+    print("| restart to first step, s (median) | " + " | ".join(
+        "-" if r["to_first_step"] is None else f"{r['to_first_step']:.2f}"
+        for r in rows) + " |")
     print("| save cost, s | " + " | ".join(
         "-" if r["report"].save_cost_secs is None else f"{r['report'].save_cost_secs:.2f}"
         for r in rows) + " |")
-    costs = restart_costs(base / rows[-1]["name"], args)
+    on_disk = [r["name"] for r in rows if r["name"] != "bucket"]
+    if not on_disk:
+        return
+    costs = restart_costs(base / on_disk[-1], args)
     print("\nrestart: " + json.dumps({k: round(v, 3) if isinstance(v, float) else v
                                       for k, v in costs.items()}))
     print(f"logdirs under {base}")

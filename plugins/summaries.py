@@ -2,7 +2,8 @@
 
 On the chief only, one tensorboardX `SummaryWriter` in `logdir` becomes
 `session.summary_writer`; every built-in and `session.summary_computed` write
-through it. On the summary timer (`save_summaries_secs` / `save_summaries_steps`)
+through it. It opens in a background thread (`OpeningWriter`: its first use waits),
+so importing tensorboardX runs beside the first compile. On the summary timer (`save_summaries_secs` / `save_summaries_steps`)
 it writes the metrics that `Config.summary_metrics` chooses under their own
 names (the latest step's values, or with ``summary_reduce="mean"`` their mean
 since the last summary, summed on device inside the jitted step),
@@ -21,14 +22,16 @@ import dataclasses
 import os
 import shutil
 import tempfile
+import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import jax
 
 from loopkit import storage
 from loopkit.config import Config
+from loopkit.loop.coordinator import add_note
 from loopkit.plugin.hookspec import hookimpl
 from loopkit.plugins.mirror import Mirror
 from loopkit.plugins.summary_values import IntervalMean, chosen
@@ -38,7 +41,7 @@ if TYPE_CHECKING:
     from loopkit.loop.carry import StepCarry
     from loopkit.loop.session import Session
 
-__all__ = ["FLUSH_SECS", "SummariesPlugin", "config_markdown", "event_file_suffix",
+__all__ = ["FLUSH_SECS", "OpeningWriter", "SummariesPlugin", "config_markdown", "event_file_suffix",
            "plugin", "write_hparams"]
 
 INACTIVE = "needs Config.logdir"
@@ -82,6 +85,51 @@ def write_hparams(writer: Any, hparams: Mapping[str, Any], step: int) -> None:
     writer.file_writer.add_summary(session_start, step)
 
 
+class OpeningWriter:
+    """A tensorboardX `SummaryWriter` opened in a background thread, used as the writer
+    itself: its first use waits until it is open, and re-raises what failed.
+
+    Importing tensorboardX (0.3-0.8 s) then runs beside the first compile, not before
+    it; the summaries plugin's `import_ahead` starts the import even earlier.
+    """
+
+    def __init__(self, open_writer: Callable[[], Any], where: str) -> None:
+        self._writer: Any = None
+        self._error: BaseException | None = None
+        self._where = where
+        self._thread = threading.Thread(target=self._open, args=(open_writer,), daemon=True,
+                                        name="loopkit-summary-writer-open")
+        self._thread.start()
+
+    def _open(self, open_writer: Callable[[], Any]) -> None:
+        try:
+            self._writer = open_writer()
+        except BaseException as ex:  # noqa: BLE001 - re-raised at the writer's first use
+            add_note(ex, f"raised in loopkit's summaries plugin opening its event file in "
+                         f"{self._where}")
+            self._error = ex
+
+    def opened(self) -> Any:
+        """The tensorboardX writer, once it is open."""
+        if self._writer is None:
+            self._thread.join()
+            if self._error is not None:
+                raise self._error
+        return self._writer
+
+    def __getattr__(self, name: str) -> Any:  # everything a SummaryWriter offers
+        if name.startswith("__") or name in ("_writer", "_error", "_where", "_thread"):
+            raise AttributeError(name)
+        return getattr(self.opened(), name)
+
+    def close(self) -> None:
+        """Close the writer once it is open; nothing when it could not be opened (its
+        first use raised that already, or the session failed before using it)."""
+        self._thread.join()
+        if self._writer is not None:
+            self._writer.close()
+
+
 class SummariesPlugin:
     """Writes metrics, `summary_fn` output and loopkit's own cost to TensorBoard (chief only)."""
 
@@ -94,6 +142,10 @@ class SummariesPlugin:
         self._last_time = 0.0
         self._last_busy = 0.0
         self.mean = IntervalMean(config.summary_metrics) if config.summary_reduce == "mean" else None
+
+    @hookimpl
+    def import_ahead(self, session: Session) -> list[str]:
+        return ["tensorboardX"] if session.is_chief else []  # only the chief writes
 
     @hookimpl
     def step_carry(self) -> StepCarry | None:
@@ -121,14 +173,17 @@ class SummariesPlugin:
             where = tempfile.mkdtemp(prefix="loopkit-events-")
             self.mirror = Mirror(Path(where), str(session.logdir))
         self._where = str(where)
-        self.writer = self._open(purge_step)
+
+        def first_events(writer: Any) -> None:
+            # At the purge step on a resume (one config per session even when several
+            # sessions resume at the same step, e.g. at max_steps: each purges the last).
+            writer.add_text("loopkit/config", config_markdown(cfg), purge_step)
+            if cfg.hparams:
+                write_hparams(writer, cfg.hparams, purge_step)
+            writer.flush()
+
+        self.writer = self._open(purge_step, first_events)
         session.summary_writer = self.writer
-        # At the purge step on a resume (one config per session even when several
-        # sessions resume at the same step, e.g. at max_steps: each purges the last).
-        self.writer.add_text("loopkit/config", config_markdown(cfg), purge_step)
-        if cfg.hparams:
-            write_hparams(self.writer, cfg.hparams, purge_step)
-        self.writer.flush()
         self._written_step = session.step  # nothing to write before a step runs
         self._last_time = session.clock()
         self._last_busy = session.stats.overhead_secs()
@@ -136,13 +191,21 @@ class SummariesPlugin:
         if secs or steps:
             session.every(self._write, secs=secs, steps=steps, name="summaries")
 
-    def _open(self, purge_step: int) -> Any:
+    def _open(self, purge_step: int, then: Callable[[Any], None] | None = None) -> OpeningWriter:
         """A new event file whose first events hide what earlier files hold from
-        `purge_step` on (its name sorts after theirs: `event_file_suffix`)."""
-        from tensorboardX import SummaryWriter
+        `purge_step` on (its name sorts after theirs: `event_file_suffix`), opened in the
+        background; `then(writer)` writes its first events there."""
 
-        return SummaryWriter(self._where, purge_step=purge_step, flush_secs=FLUSH_SECS,
-                             max_queue=1024, filename_suffix=event_file_suffix())
+        def open_writer() -> Any:
+            from tensorboardX import SummaryWriter
+
+            writer = SummaryWriter(self._where, purge_step=purge_step, flush_secs=FLUSH_SECS,
+                                   max_queue=1024, filename_suffix=event_file_suffix())
+            if then is not None:
+                then(writer)
+            return writer
+
+        return OpeningWriter(open_writer, self._where)
 
     @hookimpl(tryfirst=True)  # the fresh file first: other plugins' on_rollback may write
     def on_rollback(self, session: Session, record: Any) -> None:

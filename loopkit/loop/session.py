@@ -22,6 +22,7 @@ from loopkit.loop.coordinator import (
 from loopkit.loop.data import Lookahead, make_input
 from loopkit.process.logdir_claim import claim_logdir, stop_asked
 from loopkit.process.logdir_lock import LogdirLock
+from loopkit.process.import_ahead import import_ahead
 from loopkit.state.opening import recover_or_init
 from loopkit.process.run_status import error_fields, update_status, write_status
 from loopkit.loop.scheduler import (
@@ -290,6 +291,9 @@ class Session:
     def _prepare(self, init: Any, data: Any) -> None:
         hook = self.hook
         hook.session_open(session=self)  # before anything that can block (the watchdog)
+        # the plugins' heavy imports (orbax, tensorboardX), beside the lock, the restore
+        # or init, and the first compile: their first users wait for them
+        import_ahead(self)
         if self.logdir is not None:  # one run per logdir; a URL's store reached
             coord = self.coord
             if self.is_chief:

@@ -42,6 +42,20 @@ def session_open(session: SessionView) -> None:
 
 
 @hookspec
+def import_ahead(session: SessionView) -> list[str] | None:
+    """Modules this plugin will import later (orbax, tensorboardX): imported from now on.
+
+    Called once, after `session_open`, one implementation at a time. One background
+    thread imports them beside the lock, the restore or `init` and the first compile;
+    the plugin still imports each where it uses it (that waits for the thread's import).
+    Name only modules the plugin cannot run without: a failed import stops the session
+    with its error, noted with the module and the plugin.
+
+    :param session: the `loopkit.Session`, opening (`config`, `is_chief`, `logdir` set).
+    """
+
+
+@hookspec
 def session_create(session: SessionView) -> None:
     """The state is ready (recovered or initialised): start services.
 

@@ -57,7 +57,7 @@ class SessionView(Protocol):
     #: the latest step's metrics, possibly device arrays
     metrics: Mapping[str, Any]
     #: the chief's event writer while the summaries plugin runs (a tensorboardX
-    #: `SummaryWriter`), else None
+    #: `SummaryWriter`, opened in the background: its first use waits), else None
     summary_writer: Any
     #: what recovery restored, or None for a fresh start
     restored: Restored | None

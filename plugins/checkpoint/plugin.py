@@ -92,6 +92,10 @@ class CheckpointPlugin:
 
     # -- the backend -------------------------------------------------------------------
 
+    @hookimpl(tryfirst=True)  # first: a resume needs orbax before anything else does
+    def import_ahead(self) -> list[str]:  # the backend imports it at its first read or save
+        return ["orbax.checkpoint"] if self.config.checkpoint_backend == "orbax" else []
+
     @hookimpl(trylast=True)
     def checkpoint_backend_names(self) -> list[str]:
         return list(BUILTIN_BACKENDS)

@@ -55,6 +55,7 @@ guarantee gets a failed save (jax raises for a deleted array), not a corrupt one
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import shutil
@@ -120,8 +121,6 @@ class OrbaxBackend(ReadsOrbax):
                  save_concurrent_gb: int | None = None,
                  restore_concurrent_gb: int | None = None,
                  process_local: bool = False, own_files: bool = False) -> None:
-        import orbax.checkpoint as ocp
-
         refuse_url(directory, type(self).__name__)
         self.directory = Path(directory)
         self.basename = basename
@@ -141,12 +140,31 @@ class OrbaxBackend(ReadsOrbax):
             r"\.?" + re.escape(basename) + r"-[0-9]+(" + re.escape(_TMP_SUFFIX) + r".*|"
             + re.escape(_STAGING) + r".*|\.replaced)")
         self._saves = 0  # names each save's publish barrier (the same on every process)
-        if process_local and many:
-            # This process's own checkpoints in a directory of its own (the local tier
-            # of a job of many processes): every process is the primary of its own
-            # save, writes every shard it holds, and waits for no other.
+        # process_local: this process's own checkpoints in a directory of its own (the
+        # local tier of a job of many processes): every process is the primary of its own
+        # save, writes every shard it holds, and waits for no other.
+        self._local = process_local and many
+        self._processes = {jax.process_index()} if self._local else set(range(jax.process_count()))
+        self._options = dict(use_ocdbt=use_ocdbt, use_zarr3=use_zarr3,
+                             use_compression=use_compression,
+                             save_concurrent_gb=save_concurrent_gb,
+                             restore_concurrent_gb=restore_concurrent_gb)
+        self._thread: threading.Thread | None = None
+        self._pending: int | None = None  # the step of the save in flight
+        self._error: BaseException | None = None
+        remove_stale(self.directory, self._stale)
+
+    @functools.cached_property
+    def _orbax(self) -> tuple[Any, Any, Any, bool]:
+        """orbax's part: the writer, the saving and the reading `Checkpointer`, and whether
+        this process is the primary. Built at the first read or save, in the caller's
+        thread, not with the backend: importing orbax then runs beside the session's
+        start-up (the checkpoint plugin's `import_ahead`), not before `init`."""
+        import orbax.checkpoint as ocp
+
+        many = jax.process_count() > 1
+        if self._local:
             me = jax.process_index()
-            self._processes = {me}
             multiprocessing = ocp.options.MultiprocessingOptions(
                 primary_host=None, active_processes={me},
                 barrier_sync_key_prefix=f"loopkit-local-{me}")
@@ -155,34 +173,29 @@ class OrbaxBackend(ReadsOrbax):
             # collectives: the save runs in a background thread, and a device collective
             # there would interleave with the training step's own collectives in a
             # different order on each process (gloo aborts: "collective mismatch").
-            self._processes = set(range(jax.process_count()))
             multiprocessing = ocp.options.MultiprocessingOptions(
                 active_processes=self._processes if many else None)
-
-        options = dict(use_ocdbt=use_ocdbt, use_zarr3=use_zarr3, use_compression=use_compression,
-                       save_concurrent_gb=save_concurrent_gb,
-                       restore_concurrent_gb=restore_concurrent_gb,
-                       multiprocessing_options=multiprocessing)
+        options = dict(self._options, multiprocessing_options=multiprocessing)
 
         def checkpointer(handler: Any, **kw: Any) -> Any:
             return ocp.Checkpointer(handler, multiprocessing_options=multiprocessing, **kw)
 
         # used by the save thread only: numpy arrays written in one batch, not copied
         # again (see _write and `orbax_writer`)
-        self._writer = Saver(array_metadata=not (self.own_files and many), **options)
+        writer = Saver(array_metadata=not (self.own_files and many), **options)
         # own_files: orbax writes at the final path and marks it with its commit file
         # (as on GCS), not under a temporary name that only the primary renames: the
         # other processes' files would be left under that name in their own directories
-        self._saver = checkpointer(
-            self._writer.handler, **({"temporary_path_class":
-                                      ocp.path.atomicity.CommitFileTemporaryPath}
-                                     if self.own_files else {}))
-        self._reader = checkpointer(ocp.PyTreeCheckpointHandler(**options))  # caller's thread
-        self._primary = multiprocessing.primary_host is None or ocp.multihost.is_primary_host(0)
-        self._thread: threading.Thread | None = None
-        self._pending: int | None = None  # the step of the save in flight
-        self._error: BaseException | None = None
-        remove_stale(self.directory, self._stale)
+        saver = checkpointer(writer.handler, **({"temporary_path_class":
+                                                 ocp.path.atomicity.CommitFileTemporaryPath}
+                                                if self.own_files else {}))
+        reader = checkpointer(ocp.PyTreeCheckpointHandler(**options))  # caller's thread
+        primary = multiprocessing.primary_host is None or ocp.multihost.is_primary_host(0)
+        return writer, saver, reader, primary
+
+    @property
+    def _reader(self) -> Any:  # `ReadsOrbax` reads through it
+        return self._orbax[2]
 
     def path(self, step: int) -> Path:
         """The directory of ``step``: ``<directory>/<basename>-<step>``."""
@@ -193,6 +206,7 @@ class OrbaxBackend(ReadsOrbax):
     def save(self, step: int, state: Any, metadata: dict) -> None:
         """Start saving ``state`` and ``metadata`` as ``step`` in the background."""
         self.wait()  # at most one save in flight; surfaces the last one's error
+        self._orbax  # noqa: B018 - built here, in the caller's thread (an import error too)
         step = int(step)
         tree, custom = self._stored(step, state, metadata)
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -255,7 +269,8 @@ class OrbaxBackend(ReadsOrbax):
         try:
             with saving_lock(self.directory):
                 trash = final.with_name(f".{final.name}.replaced")
-                if (self._primary or self.own_files) and final.exists():
+                writer, saver, _, primary = self._orbax
+                if (primary or self.own_files) and final.exists():
                     # Replacing a step: move the old one aside; orbax refuses to write over
                     # a directory. Other processes look only after orbax's start barrier.
                     # Removed once the new one is committed.
@@ -269,10 +284,9 @@ class OrbaxBackend(ReadsOrbax):
                     and x.is_fully_addressable else x, tree)
                 staging = final.with_name(final.name + _STAGING)
                 try:
-                    self._saver.save(staging, args=self._writer.args(tree),
-                                     custom_metadata=custom)
+                    saver.save(staging, args=writer.args(tree), custom_metadata=custom)
                 except BaseException:
-                    self._writer.abandon()  # no write may outlive the save that began it
+                    writer.abandon()  # no write may outlive the save that began it
                     raise
                 if self.own_files:
                     # this process's part, published in its own directory; not fsynced:
@@ -283,7 +297,7 @@ class OrbaxBackend(ReadsOrbax):
                         final.mkdir()  # this process had nothing of its own to write
                     shutil.rmtree(trash, ignore_errors=True)
                     return
-                if self._primary:
+                if primary:
                     fsync_tree(staging)
                     os.rename(staging, final)
                     fsync_dir(self.directory)
@@ -310,8 +324,10 @@ class OrbaxBackend(ReadsOrbax):
         try:
             self.wait()
         finally:
-            self._saver.close()
-            self._reader.close()
+            if "_orbax" in vars(self):  # built: a backend that never read nor saved has none
+                _, saver, reader, _ = self._orbax
+                saver.close()
+                reader.close()
 
     # -- listing --
 
