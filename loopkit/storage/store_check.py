@@ -20,7 +20,7 @@ from loopkit import storage
 __all__ = ["PROBE_SECS", "check_store", "endpoint_of"]
 
 #: how long the store may take to answer the start-up probe
-PROBE_SECS = 15.0
+PROBE_SECS = 10.0
 
 # the client libraries' own exception names (botocore, google-auth), matched by name
 # so that none of them is imported here
