@@ -46,6 +46,7 @@ from loopkit.plugins.checkpoint.recovery import (
     durable_best, find_local, find_restorable,
 )
 from loopkit.plugins.checkpoint.replicas import SAVE_VETO, agree_to_save, host_copies
+from loopkit.plugins.checkpoint.peers import open_peers
 from loopkit.plugins.checkpoint.retention import Ledger
 from loopkit.plugins.checkpoint.tier import SharedHold, Tier, refuse_a_file
 from loopkit.plugins.goodput.cadence import AutoInterval
@@ -65,7 +66,8 @@ PyTree = Any
 BLOCKING_TAG = "loopkit/checkpoint_blocking_secs"
 LOCAL_BLOCKING_TAG = "loopkit/checkpoint_local_blocking_secs"
 
-#: which tier the session restored from: "durable", "local", or None (a fresh start)
+#: which tier the session restored from: "durable", "local", "peer" (the local tier,
+#: some process's part received from a peer), or None (a fresh start)
 RESTORED_TIER = StashKey[Optional[str]]()
 
 
@@ -162,11 +164,13 @@ class CheckpointPlugin:
             refuse_a_file(local)
             if jax.process_count() == 1:
                 self.local = self._tier(session, "local", local)
+                open_peers(self.config, local, local)  # ignored, said once
             elif self.config.checkpoint_backend == "orbax":
                 # each process its own tier, in its own directory (one path in every
                 # process's Config, also when several share a machine)
-                self.local = self._tier(session, "local", storage.join(
-                    local, f"process-{jax.process_index()}"), process_local=True)
+                own = storage.join(local, f"process-{jax.process_index()}")
+                self.local = self._tier(session, "local", own, process_local=True)
+                self.local.peers = open_peers(self.config, local, own)
             else:
                 log.warning(
                     "loopkit: Config.local_checkpoint_dir=%r is not used with %d processes "
@@ -198,7 +202,8 @@ class CheckpointPlugin:
         if tier is not None:
             _phase(session, durable_best(tier.ledger.on_disk, tier.file), "the local tier")
             found = find_local(tier.backend, frozenset(tier.ledger.on_disk), tier.file, like,
-                               tier.path, durable_best(durable.ledger.on_disk, durable.file))
+                               tier.path, durable_best(durable.ledger.on_disk, durable.file),
+                               tier.peers)
         if found is None:
             tier = durable
             _phase(session, durable_best(durable.ledger.on_disk, durable.file), None)
@@ -213,7 +218,8 @@ class CheckpointPlugin:
             self.local.ledger.adopt(step, self.local.file)
             for t in (self.local, durable):  # each lists only the steps it holds
                 t.ledger.listed = [(s, x) for s, x in t.ledger.listed if s in t.ledger.on_disk]
-        self.restored_from = None if found is None else tier.kind
+        self.restored_from = None if found is None else (
+            "peer" if tier.peers is not None and tier.peers.from_peer else tier.kind)
         session.stash[RESTORED_TIER] = self.restored_from
         if found is None:
             return None
@@ -396,7 +402,7 @@ class CheckpointPlugin:
         finally:
             self._times.held_secs = held + time.perf_counter() - t0  # the final save's too
             for t in tiers:
-                t.close()
+                t.close(self.config.stop_grace_secs)
         for t in tiers:
             failed = t.failed
             if (failed is not None and failed is not error
