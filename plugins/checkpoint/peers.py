@@ -50,7 +50,7 @@ ADDRESS_WAIT_SECS = 120
 COMPARED_STEPS = 64
 
 
-def open_peers(config: Any, local_root: Path, own_dir: Path) -> Peers | None:
+def open_peers(config: Any, own_dir: Path) -> Peers | None:
     """The session's `Peers`, or None when `Config.local_replicas` is 0 or there is one
     process; `ValueError` naming the field when it is not less than the process count."""
     k, n = config.local_replicas, jax.process_count()
@@ -64,7 +64,7 @@ def open_peers(config: Any, local_root: Path, own_dir: Path) -> Peers | None:
         raise ValueError(f"Config.local_replicas={k!r} is not allowed with {n} processes: "
                          f"expected less than the process count (at most {n - 1} others "
                          "can keep a copy of each process's local checkpoints)")
-    return Peers(local_root, own_dir, config.checkpoint_basename, k,
+    return Peers(own_dir, config.checkpoint_basename, k,
                  config.max_to_keep_local or None)
 
 
@@ -92,8 +92,7 @@ def _client() -> Any:
 class Peers:
     """This process's peer copies: its server, its copier thread, and recovery's plan."""
 
-    def __init__(self, local_root: Path, own_dir: Path, basename: str, k: int,
-                 keep: int | None) -> None:
+    def __init__(self, own_dir: Path, basename: str, k: int, keep: int | None) -> None:
         self.me, self.n, self.k = jax.process_index(), jax.process_count(), k
         self.own_dir, self.basename, self.keep = Path(own_dir), basename, keep
         self._name = re.compile(re.escape(basename) + r"-(0|[1-9][0-9]*)")

@@ -20,8 +20,8 @@ checkpoint when it is at least as new as the durable tier's (`recovery.find_loca
 `RESTORED_TIER` says which tier served. With many processes (the orbax backend) each
 process keeps its own local tier in ``<local_checkpoint_dir>/process-<i>``: the shards
 it holds and its host-local leaves, written without waiting for the others; recovery
-restores the newest step every process holds there (`recovery.common_steps`), else
-the durable tier.
+restores the newest step every process holds there (`recovery.common_steps`; with
+`local_replicas`, each part held by its owner or a peer: `peers`), else the durable tier.
 """
 
 from __future__ import annotations
@@ -66,8 +66,7 @@ PyTree = Any
 BLOCKING_TAG = "loopkit/checkpoint_blocking_secs"
 LOCAL_BLOCKING_TAG = "loopkit/checkpoint_local_blocking_secs"
 
-#: which tier the session restored from: "durable", "local", "peer" (the local tier,
-#: some process's part received from a peer), or None (a fresh start)
+#: the tier restored from: "durable", "local", "peer" (a part from a peer), or None
 RESTORED_TIER = StashKey[Optional[str]]()
 
 
@@ -164,13 +163,11 @@ class CheckpointPlugin:
             refuse_a_file(local)
             if jax.process_count() == 1:
                 self.local = self._tier(session, "local", local)
-                open_peers(self.config, local, local)  # ignored, said once
             elif self.config.checkpoint_backend == "orbax":
                 # each process its own tier, in its own directory (one path in every
                 # process's Config, also when several share a machine)
-                own = storage.join(local, f"process-{jax.process_index()}")
-                self.local = self._tier(session, "local", own, process_local=True)
-                self.local.peers = open_peers(self.config, local, own)
+                self.local = self._tier(session, "local", storage.join(
+                    local, f"process-{jax.process_index()}"), process_local=True)
             else:
                 log.warning(
                     "loopkit: Config.local_checkpoint_dir=%r is not used with %d processes "
@@ -178,6 +175,8 @@ class CheckpointPlugin:
                     "the 'orbax' backend only; checkpoints go to the durable tier only",
                     self.config.local_checkpoint_dir, jax.process_count(),
                     self.config.checkpoint_backend)
+            if self.local is not None:  # Config.local_replicas
+                self.local.peers = open_peers(self.config, self.local.ledger.logdir)
         return self.durable
 
     # -- recovery ----------------------------------------------------------------------
