@@ -35,7 +35,7 @@ import jax
 import numpy as np
 
 from loopkit.plugins.checkpoint.peer_transfer import (
-    PartServer, fetch_part, push_part, remove_incoming,
+    PartServer, background, fetch_part, push_part, remove_incoming,
 )
 
 __all__ = ["Peers", "open_peers"]
@@ -152,6 +152,7 @@ class Peers:
             self._lock.notify_all()
 
     def _copy_loop(self) -> None:
+        background()
         while True:
             with self._lock:
                 while self._wanted is None and not self._closing:

@@ -23,7 +23,6 @@ SENDER = """
 import json, sys
 from pathlib import Path
 from loopkit.plugins.checkpoint import peer_transfer as t
-t.CHUNK = 1 << 16  # small chunks: the copy is seen in the middle
 print(t.push_part(json.loads(sys.argv[1]), Path(sys.argv[2]), 0, 5))
 """
 
