@@ -172,7 +172,7 @@ def _handler(server: PartServer) -> type[BaseHTTPRequestHandler]:
                 self._answer(500, f"{type(ex).__name__}: {ex}".encode())
             self.close_connection = True  # a body may be left unread: no next request
 
-        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        def do_GET(self) -> None:
             self._run(self._get)
 
         def _get(self, path: str, q: dict[str, str], part: Path) -> None:
@@ -188,7 +188,7 @@ def _handler(server: PartServer) -> type[BaseHTTPRequestHandler]:
                 self.wfile.flush()
                 self.connection.sendfile(f)  # by the kernel, without the GIL
 
-        def do_PUT(self) -> None:  # noqa: N802
+        def do_PUT(self) -> None:
             self._run(self._put)
 
         def _put(self, path: str, q: dict[str, str], part: Path) -> None:
@@ -196,7 +196,7 @@ def _handler(server: PartServer) -> type[BaseHTTPRequestHandler]:
             _copy(self.rfile, int(self.headers["Content-Length"]), _inside(incoming, q["path"]))
             self._answer(200)
 
-        def do_POST(self) -> None:  # noqa: N802
+        def do_POST(self) -> None:
             self._run(self._commit)
 
         def _commit(self, path: str, q: dict[str, str], part: Path) -> None:

@@ -63,7 +63,7 @@ def test_a_sender_killed_mid_copy_leaves_nothing_counted_and_a_full_copy_lands(t
     sender.send_signal(signal.SIGKILL)
     sender.wait()
     # the half-sent copy is under a temporary name only: no step listed, nothing received
-    assert [p.name for p in peer.iterdir()][0].startswith(".model.ckpt-5.incoming-")
+    assert next(p.name for p in peer.iterdir()).startswith(".model.ckpt-5.incoming-")
     assert not (peer / "model.ckpt-5").exists() and server.got == []
     remove_incoming(peer)  # as the next start does
     assert list(peer.iterdir()) == []
