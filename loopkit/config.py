@@ -215,6 +215,7 @@ class Config:
     save_local_secs: float | None = _field(60, _secs(True))
     save_local_steps: int | None = _field(None, _count(0, True))
     max_to_keep_local: int | None = _field(2, _count(0, True))
+    local_replicas: int = _field(0, _count(0, False))
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -232,6 +233,10 @@ class Config:
                              "is off (it is None)")
         if self.local_checkpoint_dir is not None:
             self._check_local_dir()
+        elif self.local_replicas:
+            raise ValueError(f"Config.local_replicas={self.local_replicas!r} needs "
+                             "Config.local_checkpoint_dir: peers keep copies of the local "
+                             "tier, which is off (it is None)")
         object.__setattr__(self, "disable", tuple(self.disable))
         metrics = self.summary_metrics
         if metrics is not None:

@@ -68,7 +68,8 @@ def _drain(queue: collections.deque[Any]) -> list[Any]:
 SAVE_TIMES: StashKey[SaveTimes] = StashKey()
 
 
-#: which tier the session restored from: "durable", "local" or "peer" (None: fresh)
+#: which tier the session restored from: "durable", "local", "peer" (a part from a
+#: peer, `Config.local_replicas`), or None (a fresh start)
 RESTORED_TIER = StashKey[Optional[str]]()
 
 

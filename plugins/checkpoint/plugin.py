@@ -20,8 +20,8 @@ checkpoint when it is at least as new as the durable tier's (`recovery.find_loca
 `RESTORED_TIER` says which tier served. With many processes (the orbax backend) each
 process keeps its own local tier in ``<local_checkpoint_dir>/process-<i>``: the shards
 it holds and its host-local leaves, written without waiting for the others; recovery
-restores the newest step every process holds there (`recovery.common_steps`), else
-the durable tier.
+restores the newest step every process holds there (`recovery.common_steps`; with
+`local_replicas`, each part held by its owner or a peer: `peers`), else the durable tier.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from loopkit.plugins.checkpoint.recovery import (
     durable_best, find_local, find_restorable,
 )
 from loopkit.plugins.checkpoint.replicas import SAVE_VETO, agree_to_save, host_copies
+from loopkit.plugins.checkpoint.peers import open_peers
 from loopkit.plugins.checkpoint.retention import CheckpointList
 from loopkit.plugins.checkpoint.tier import SharedHold, Tier, refuse_a_file
 from loopkit.plugins.shared import (
@@ -63,7 +64,6 @@ PyTree = Any
 BLOCKING_TAG = "loopkit/checkpoint_blocking_secs"
 LOCAL_BLOCKING_TAG = "loopkit/checkpoint_local_blocking_secs"
 
-#: which tier the session restored from: "durable", "local", or None (a fresh start)
 
 
 class CheckpointPlugin:
@@ -164,6 +164,8 @@ class CheckpointPlugin:
                     "the 'orbax' backend only; checkpoints go to the durable tier only",
                     self.config.local_checkpoint_dir, jax.process_count(),
                     self.config.checkpoint_backend)
+            if self.local is not None:  # Config.local_replicas
+                self.local.peers = open_peers(self.config, self.local.ledger.logdir)
         return self.durable
 
     # -- recovery ----------------------------------------------------------------------
@@ -188,7 +190,8 @@ class CheckpointPlugin:
         if tier is not None:
             _phase(session, durable_best(tier.ledger.on_disk, tier.file), "the local tier")
             found = find_local(tier.backend, frozenset(tier.ledger.on_disk), tier.file, like,
-                               tier.path, durable_best(durable.ledger.on_disk, durable.file))
+                               tier.path, durable_best(durable.ledger.on_disk, durable.file),
+                               tier.peers)
         if found is None:
             tier = durable
             _phase(session, durable_best(durable.ledger.on_disk, durable.file), None)
@@ -203,7 +206,8 @@ class CheckpointPlugin:
             self.local.ledger.adopt(step, self.local.file)
             for t in (self.local, durable):  # each lists only the steps it holds
                 t.ledger.listed = [(s, x) for s, x in t.ledger.listed if s in t.ledger.on_disk]
-        self.restored_from = None if found is None else tier.kind
+        self.restored_from = None if found is None else (
+            "peer" if tier.peers is not None and tier.peers.from_peer else tier.kind)
         session.stash[RESTORED_TIER] = self.restored_from
         if found is None:
             return None
@@ -374,7 +378,7 @@ class CheckpointPlugin:
         finally:
             self._times.held_secs = held + time.perf_counter() - t0  # the final save's too
             for t in tiers:
-                t.close()
+                t.close(self.config.stop_grace_secs)
         for t in tiers:
             failed = t.failed
             if (failed is not None and failed is not error

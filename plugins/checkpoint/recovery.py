@@ -72,17 +72,20 @@ def durable_best(steps: Collection[int], state: CheckpointState | None) -> int |
 
 
 def find_local(backend: CheckpointBackend, steps: Collection[int], state: CheckpointState | None,
-               like: PyTree, path_of: Callable[[int], str], floor: int | None) -> Restored | None:
+               like: PyTree, path_of: Callable[[int], str], floor: int | None,
+               peers: Any = None) -> Restored | None:
     """The local tier's newest readable checkpoint at or after step `floor` (the
     durable tier's best), written by as many processes as there are now; None
     when there is none, and the durable tier is tried next.
 
     A local checkpoint that cannot be read is skipped with a warning naming it:
     an older one, or the durable tier, serves instead. Many processes (each with
-    its own local tier): the newest step that every process holds and reads.
+    its own local tier): the newest step that every process holds and reads; with
+    `peers` (`peers.Peers`), the newest whose every part is held by its owner or a
+    peer, a part that is not here received from the peer first.
     """
     if jax.process_count() > 1:
-        return _agreed_local(backend, steps, like, path_of, floor)
+        return _agreed_local(backend, steps, like, path_of, floor, peers)
     for step in recovery_order(state, sorted(steps)):
         if step not in steps:
             continue
@@ -212,7 +215,8 @@ def common_steps(steps: Collection[int]) -> list[int]:
 
 
 def _agreed_local(backend: CheckpointBackend, steps: Collection[int], like: PyTree,
-                  path_of: Callable[[int], str], floor: int | None) -> Restored | None:
+                  path_of: Callable[[int], str], floor: int | None,
+                  peers: Any) -> Restored | None:
     """Many processes: the newest step every process holds in its local tier, at or
     after the chief's `floor`, restored by every process from its own; None (the
     durable tier) when there is none, or when the local tiers were written by
@@ -221,12 +225,14 @@ def _agreed_local(backend: CheckpointBackend, steps: Collection[int], like: PyTr
 
     floor = int(multihost_utils.broadcast_one_to_all(
         np.asarray(-1 if floor is None else floor, np.int32)))
-    for step in common_steps(steps):
+    for step in common_steps(steps) if peers is None else peers.plan(steps):
         if step < floor:
             break
         # 0: unreadable here, 1: restored, 2: another job's layout, 3: the store failed
         found, code, mine = None, 0, None
         try:
+            if peers is not None:  # this process's part, from the peer holding it
+                peers.fetch(step)
             tree, metadata = _restore(backend, step, like, path_of(step))
             count = (metadata or {}).get("process_count", 1)
             if count == jax.process_count():

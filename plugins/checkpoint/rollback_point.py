@@ -66,6 +66,8 @@ def drop_after(session: Any, tiers: Sequence[Tier], first: int, why: str) -> Non
                 t.ledger.make_room(doomed)
                 t.backend.delete(doomed)
             t.ledger.on_disk.discard(doomed)
+        if t.peers is not None:  # and the peer copies this process holds of them
+            t.peers.drop_after(first, session.config.stop_grace_secs)
         t.last_save_step = None  # a save at the restored step writes the new position
 
 

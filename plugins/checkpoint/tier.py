@@ -159,6 +159,8 @@ class Tier:
         #: the first commit that failed or never committed: no save after it
         self.failed: BaseException | None = None
         self.last_save_step: int | None = None
+        #: the local tier's peer copies (`peers.Peers`, `Config.local_replicas`), or None
+        self.peers: Any = None
 
     def path(self, step: int) -> str:
         return checkpoint_path(self.ledger.logdir, self.ledger.basename, step)
@@ -213,6 +215,8 @@ class Tier:
         if self.writes(session):
             for old in self.ledger.publish(step, timestamp):
                 self.backend.delete(old)
+        if self.peers is not None:  # copied to the peers in their own thread
+            self.peers.committed(step)
         checkpoint_committed(step)  # `loopkit run` counts its child's progress from it
 
     def _failed(self, session: Any, step: int, ex: BaseException) -> None:
@@ -222,7 +226,9 @@ class Tier:
         # stops the run at the next step (many processes: at the next agreement)
         session.request_stop(ex, agreed=True)
 
-    def close(self) -> None:
+    def close(self, grace_secs: float = 0.0) -> None:
+        if self.peers is not None:  # the copy in flight finishes (at most `grace_secs`)
+            self.peers.close(grace_secs)
         if self.commit is not None:
             return  # left behind: closing would wait for the stuck save again
         if self.owns_backend:

@@ -16,6 +16,9 @@ at batch N; "ok" trains on.
 --local-dir: a local checkpoint tier in DIR (each process's in DIR/process-<id>), saved
 every 3 steps.
 --backend NAME: Config.checkpoint_backend (default orbax).
+--local-replicas K: Config.local_replicas (peer copies of the local tier).
+--stateful: the data is a stateful iterator (get_state/set_state) per process, the
+same batches as the default's, so only a restored position resumes them bitwise.
 --fail-uploading P:STEP: under a URL logdir, process P's upload of its part of the
 checkpoint of STEP raises OSError (a network error).
 --fail-local-save P:STEP: process P's orbax save of STEP raises OSError once orbax has
@@ -66,6 +69,8 @@ def main():
     p.add_argument("--fail-uploading", default=None)
     p.add_argument("--fail-local-save", default=None)
     p.add_argument("--fail-downloading", default=None)
+    p.add_argument("--local-replicas", type=int, default=0)
+    p.add_argument("--stateful", action="store_true")
     p.add_argument("--momentum", action="store_true")  # a leaf `m` init does not place
     args = p.parse_args()
     if args.die_uploading is not None:
@@ -140,6 +145,29 @@ def main():
             yield x[rows], (x @ true_w + 0.5)[rows]
             step += 1
 
+    class Rows:
+        """`data` as a stateful iterator: its state is the next step's batch."""
+
+        def __init__(self):
+            self.state = {"next": 0}
+            self.batches = None
+
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            if self.batches is None:
+                self.batches = data(self.state["next"])
+            batch = next(self.batches)
+            self.state = {"next": self.state["next"] + 1}
+            return batch
+
+        def get_state(self):
+            return dict(self.state)
+
+        def set_state(self, state):
+            self.state, self.batches = dict(state), None
+
     def step_fn(state, batch):
         x, y = batch
         wb = {"w": state["w"], "b": state["b"]}
@@ -160,12 +188,17 @@ def main():
     class Pace:
         """Makes this process slower than the others, and says when it is running."""
 
+        session = None
+
         @loopkit.hookimpl
         def session_create(self, session):
+            Pace.session = session
             np.savez(args.out + ".ready.npz", **host(session.state))  # what it started from
             local = all(x.is_fully_addressable for x in jax.tree.leaves(session.state))
             print(f"READY {session.step} host_local={local}", flush=True)
             print(f"TIER {session.stash.get(RESTORED_TIER)}", flush=True)
+            if args.stateful:
+                print(f"POS {session.input.source.get_state()['next']}", flush=True)
             backend = session.plugin_manager.get_plugin("checkpoint").backend
             fetched = getattr(backend, "last_fetch", None)  # a URL logdir: what it downloaded
             if fetched is not None:
@@ -194,12 +227,18 @@ def main():
                         t.name.startswith("loopkit-checkpoint") and "-commit-" in t.name
                         for t in threading.enumerate()):
                     time.sleep(0.01)
+                local = Pace.session.plugin_manager.get_plugin("checkpoint").local
+                if local is not None and local.peers is not None:
+                    local.peers.wait(60)  # and their copies on the peers are complete,
+                    from jax._src import distributed  # the others' copies here too
+
+                    distributed.global_state.client.wait_at_barrier(f"crash-{step}", 60_000)
                 os.kill(os.getpid(), signal.SIGKILL)
 
     tiers = {} if args.local_dir is None else dict(
         local_checkpoint_dir=args.local_dir,
-        save_local_steps=3, save_local_secs=None)
-    r = loopkit.train(step_fn, init=init, data=data,
+        save_local_steps=3, save_local_secs=None, local_replicas=args.local_replicas)
+    r = loopkit.train(step_fn, init=init, data=Rows() if args.stateful else data,
                       data_sharding=None if args.host_local else batch_sharding,
                       logdir=args.logdir, max_steps=args.max_steps, plugins=[Pace()],
                       save_model_secs=args.save_secs, save_model_steps=args.save_steps,
