@@ -4,18 +4,22 @@ Where each part lives (docs/architecture.md draws the flows):
 
 - `plugin`: the plugin registered as ``"checkpoint"``: its timers (durable and
   local tier), the final save, the order of recovery, the tier restored from
-  (`RESTORED_TIER`); the built-in backends' names (`checkpoint_backend` hook).
-- `tier`: one tier's directory, backend, ledger and save in flight (its commit
-  thread); one staging shared by both tiers' saves at a step.
+  (`RESTORED_TIER`, kept in `loopkit.plugins.shared`).
+- `tier`: one tier's directory, backend, checkpoint list and save in flight (its
+  commit thread); one staging shared by both tiers' saves at a step.
 - `recovery`: the newest checkpoint that can be read at start-up, on one process
   or agreed by all; the local tier's, when newer than the durable tier's.
-- `tf_file`: the tf ``checkpoint`` text file, checkpoint names, the recorded
-  backend name; `retention`: what the file lists and what is deleted;
-  `position`: the input position as JSON; `replicas`: host-local replicas
-  checked at each save of many processes.
-- `helpers` and `locate`: `latest_checkpoint`, `load_checkpoint`,
+  `rollback_point`: the checkpoint a rollback restores.
+- `collectives`: every collective a save, a restore or a rollback enters, and
+  their order: read this one file to check that every process enters the same.
+- `peers` and `peer_transfer`: peer copies of the local tier (`local_replicas`).
+- `tf_file`: the tf ``checkpoint`` text file, checkpoint names, the backend
+  record; `retention`: what the file lists and what is deleted; `position`: a
+  checkpoint's metadata, the input positions as JSON; `replicas`: host-local
+  replicas checked at each save of many processes, and the save's veto.
+- `helpers`, `locate` and `listing`: `latest_checkpoint`, `load_checkpoint`,
   `checkpoints_iterator`, `from_pretrained`, `describe_checkpoints` (``loopkit
-  checkpoints``), and finding a checkpoint and the backend that reads it.
+  checkpoints``, in `commands`), finding a checkpoint and the backend that reads it.
 - `backends`: the built-in backends (`orbax`, `npz`, `staged` for URLs) and what
   they share (leaf `records`, `placement`, `temporaries`).
 - `readers`: read-only backends for others' formats (orbax trees, safetensors).

@@ -34,6 +34,7 @@ from typing import Any, Collection
 import jax
 import numpy as np
 
+from loopkit.plugins.checkpoint.collectives import COMPARED_STEPS, gather_rows
 from loopkit.plugins.checkpoint.peer_transfer import (
     PartServer, background, fetch_part, push_part, remove_incoming,
 )
@@ -46,9 +47,6 @@ log = logging.getLogger("loopkit")
 KEY = "loopkit/peers/{}"
 #: how long a process waits for another's address to be published
 ADDRESS_WAIT_SECS = 120
-#: how many of its newest steps of each part a process offers at recovery
-COMPARED_STEPS = 64
-
 
 def open_peers(config: Any, own_dir: Path) -> Peers | None:
     """The session's `Peers`, or None when `Config.local_replicas` is 0 or there is one
@@ -232,8 +230,6 @@ class Peers:
     def plan(self, own: Collection[int]) -> list[int]:
         """The steps whose every part is held by its owner or a peer, newest first (a
         collective: every process offers its `own` local steps and its peer copies)."""
-        from jax.experimental import multihost_utils
-
         offers = [(self.me, s) for s in sorted(own, reverse=True)[:COMPARED_STEPS]]
         held = self.held()
         for owner in sorted(held, key=lambda o: (self.me - o) % self.n):  # nearest first
@@ -242,7 +238,7 @@ class Peers:
         row = np.full((width, 2), -1, np.int32)
         if offers:
             row[:min(width, len(offers))] = offers[:width]
-        rows = np.asarray(multihost_utils.process_allgather(row)).reshape(self.n, width, 2)
+        rows = gather_rows(row)
         holders: dict[tuple[int, int], list[int]] = defaultdict(list)
         for p in range(self.n):
             for owner, step in rows[p].tolist():

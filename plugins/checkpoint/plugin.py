@@ -20,7 +20,7 @@ checkpoint when it is at least as new as the durable tier's (`recovery.find_loca
 `RESTORED_TIER` says which tier served. With many processes (the orbax backend) each
 process keeps its own local tier in ``<local_checkpoint_dir>/process-<i>``: the shards
 it holds and its host-local leaves, written without waiting for the others; recovery
-restores the newest step every process holds there (`recovery.common_steps`; with
+restores the newest step every process holds there (`collectives.common_steps`; with
 `local_replicas`, each part held by its owner or a peer: `peers`), else the durable tier.
 """
 

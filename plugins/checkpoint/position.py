@@ -18,10 +18,11 @@ import time
 from typing import Any
 
 import jax
-import numpy as np
+
+from loopkit.plugins.checkpoint.collectives import gather_positions
 
 __all__ = ["BYTES_KEY", "checkpoint_metadata", "decode_position", "encode_position",
-           "gather_positions", "own_position"]
+           "own_position"]
 
 log = logging.getLogger("loopkit")
 
@@ -71,21 +72,6 @@ def decode_position(value: Any) -> Any:
     if isinstance(value, list):
         return [decode_position(v) for v in value]
     return value
-
-
-def gather_positions(position: Any) -> list[Any]:
-    """Every process's encoded `position`, by process index. A collective: every process
-    calls it at the same step (a save's). Two small gathers: the lengths, then the
-    JSON bytes padded to the longest."""
-    from jax.experimental import multihost_utils
-
-    mine = json.dumps(position).encode()
-    sizes = np.asarray(multihost_utils.process_allgather(np.asarray(len(mine), np.int64)))
-    sizes = sizes.reshape(-1)
-    padded = np.zeros(int(sizes.max()), np.uint8)
-    padded[:len(mine)] = np.frombuffer(mine, np.uint8)
-    table = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(sizes), -1)
-    return [json.loads(row[:n].tobytes()) for row, n in zip(table, sizes)]
 
 
 def own_position(metadata: dict, where: str) -> Any:

@@ -22,10 +22,13 @@ import numpy as np
 from loopkit.plugin.backend import CheckpointBackend, Restored
 from loopkit.errors import CheckpointError
 from loopkit.storage.retry import StoreFailure, retrying
+from loopkit.plugins.checkpoint.collectives import (
+    broadcast_from_chief, common_steps, gather_rows, worst_of,
+)
 from loopkit.plugins.checkpoint.position import own_position
 from loopkit.plugins.checkpoint.tf_file import CheckpointState, recovery_order
 
-__all__ = ["any_process", "common_steps", "durable_best", "find_local", "find_restorable",
+__all__ = ["durable_best", "find_local", "find_restorable",
            "read_checkpoint"]
 
 log = logging.getLogger("loopkit")
@@ -145,13 +148,13 @@ def read_together(backend: CheckpointBackend, step: int, like: Any, where: str,
         outcome = _READ
     except Exception as ex:  # noqa: BLE001 - agreed below
         outcome, mine = _judged(where, step, ex, failed), ex
-    outcome = _worst(outcome)
+    outcome = worst_of(outcome)
     if outcome == _READ:
         try:
             found = read_checkpoint(backend, step, like, where)
         except Exception as ex:  # noqa: BLE001 - agreed below
             outcome, mine = _judged(where, step, ex, failed), ex
-        outcome = _worst(outcome)
+        outcome = worst_of(outcome)
     if outcome == _STORE:
         if isinstance(mine, StoreFailure):
             raise mine
@@ -171,47 +174,10 @@ def _judged(where: str, step: int, ex: BaseException, failed: Callable[[Any], An
     return _UNREADABLE
 
 
-def _worst(outcome: int) -> int:
-    """The worst of every process's `outcome` (a collective with many processes)."""
-    if jax.process_count() == 1:
-        return outcome
-    from jax.experimental import multihost_utils
-
-    return int(np.max(np.asarray(multihost_utils.process_allgather(
-        np.asarray(outcome, np.int32)))))
-
-
 def _unreadable(where: str, ex: BaseException) -> None:
     on = f" on process {jax.process_index()}" if jax.process_count() > 1 else ""
     log.warning("loopkit: checkpoint %s is unreadable%s (%s: %s)", where, on,
                 type(ex).__name__, ex)
-
-
-def any_process(flag: bool) -> bool:
-    """Whether `flag` is true on some process (a collective with many processes)."""
-    if jax.process_count() == 1:
-        return flag
-    from jax.experimental import multihost_utils
-
-    return bool(np.any(np.asarray(multihost_utils.process_allgather(
-        np.asarray(int(flag), np.int32)))))
-
-
-#: how many of its newest local steps each process offers when they look for a common one
-COMPARED_STEPS = 64
-
-
-def common_steps(steps: Collection[int]) -> list[int]:
-    """Many processes: the steps in every process's `steps`, newest first (a collective:
-    every process calls it, each with its own local tier's steps)."""
-    from jax.experimental import multihost_utils
-
-    mine = sorted(steps, reverse=True)[:COMPARED_STEPS]
-    row = np.full((COMPARED_STEPS,), -1, np.int32)
-    row[:len(mine)] = mine
-    rows = np.asarray(multihost_utils.process_allgather(row)).reshape(-1, COMPARED_STEPS)
-    common = set.intersection(*(set(r.tolist()) for r in rows))
-    return sorted((s for s in common if s >= 0), reverse=True)
 
 
 def _agreed_local(backend: CheckpointBackend, steps: Collection[int], like: PyTree,
@@ -221,10 +187,7 @@ def _agreed_local(backend: CheckpointBackend, steps: Collection[int], like: PyTr
     after the chief's `floor`, restored by every process from its own; None (the
     durable tier) when there is none, or when the local tiers were written by
     another number of processes."""
-    from jax.experimental import multihost_utils
-
-    floor = int(multihost_utils.broadcast_one_to_all(
-        np.asarray(-1 if floor is None else floor, np.int32)))
+    floor = int(broadcast_from_chief(np.asarray(-1 if floor is None else floor, np.int32)))
     for step in common_steps(steps) if peers is None else peers.plan(steps):
         if step < floor:
             break
@@ -246,7 +209,7 @@ def _agreed_local(backend: CheckpointBackend, steps: Collection[int], like: PyTr
         except Exception as ex:  # noqa: BLE001 - unreadable data: agree on it below
             log.warning("loopkit: local checkpoint %s is unreadable on process %d (%s: %s)",
                         path_of(step), jax.process_index(), type(ex).__name__, ex)
-        codes = np.asarray(multihost_utils.process_allgather(np.asarray(code, np.int32)))
+        codes = gather_rows(np.asarray(code, np.int32))
         if np.any(codes == 3):
             if mine is not None:
                 raise mine
@@ -294,14 +257,12 @@ def _agreed(backend: CheckpointBackend, steps: Collection[int], logdir: Path | s
     every process restores it, and they agree whether all succeeded. If one
     failed, the chief's next candidate is tried, together.
     """
-    from jax.experimental import multihost_utils
-
     order = recovery_order(state, sorted(steps)) if jax.process_index() == 0 else []
     tried: set[int] = set()
     failures: list[tuple[int, BaseException]] = []
     while True:
         mine = next((s for s in order if s not in tried and s in steps), -1)
-        step = int(multihost_utils.broadcast_one_to_all(np.asarray(mine, np.int32)))
+        step = int(broadcast_from_chief(np.asarray(mine, np.int32)))
         if step < 0:
             break
         tried.add(step)

@@ -26,6 +26,7 @@ import jax
 import numpy as np
 
 from loopkit.errors import CheckpointError
+from loopkit.plugins.checkpoint.collectives import gather_rows
 from loopkit.state.pytree import is_key, leaf_path
 from loopkit.loop.stash import StashKey
 
@@ -93,12 +94,10 @@ def agree_to_save(where: str, names: list[str], prints: list[int],
     step or none does, and whether any process vetoed (then the replicas are not
     compared: no save).
     """
-    from jax.experimental import multihost_utils
-
     vetoes = veto is not None and veto.vetoes(session)
     mine = np.asarray([int(failed is not None), int(local_due), int(vetoes), *prints],
                       np.uint32)
-    table = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, len(mine))
+    table = gather_rows(mine)
     broken = [int(p) for p in np.flatnonzero(table[:, 0])]
     if broken:
         if failed is not None:

@@ -18,9 +18,10 @@ import numpy as np
 
 from loopkit.plugin.backend import Restored
 from loopkit.errors import CheckpointError
-from loopkit.plugins.checkpoint.recovery import (
-    any_process, common_steps, read_together,
+from loopkit.plugins.checkpoint.collectives import (
+    any_process, broadcast_from_chief, common_steps,
 )
+from loopkit.plugins.checkpoint.recovery import read_together
 from loopkit.plugins.checkpoint.tier import Tier
 
 __all__ = ["candidates", "drop_after", "read_agreed", "refuse_if_stuck"]
@@ -48,10 +49,7 @@ def candidates(local: Tier | None, durable: Tier, before_step: int) -> list[tupl
     best = [max((s for s in local_steps if s < before_step), default=-1),
             max((s for s in durable.ledger.on_disk if s < before_step), default=-1)]
     if many:
-        from jax.experimental import multihost_utils
-
-        best = [int(x) for x in multihost_utils.broadcast_one_to_all(
-            np.asarray(best, np.int32))]
+        best = [int(x) for x in broadcast_from_chief(np.asarray(best, np.int32))]
     found = [(s, t) for s, t in zip(best, (local, durable)) if s >= 0 and t is not None]
     return sorted(found, key=lambda c: (c[0], c[1] is local), reverse=True)
 
