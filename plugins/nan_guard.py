@@ -136,7 +136,7 @@ class NanGuardPlugin:
 def plugin(config: Config) -> NanGuardPlugin | None:
     if not config.nan_guard:
         return None
-    if config.on_guard == "rollback":
+    if config.on_guard in ("rollback", "replay"):
         from loopkit.plugins.rollback import RollbackGuard
 
         return RollbackGuard(config)

@@ -7,7 +7,7 @@ import copy
 import logging
 from typing import Any, Callable, Iterator, NamedTuple
 
-__all__ = ["Input", "Lookahead", "Reader", "make_input", "snapshot_state"]
+__all__ = ["Input", "Lookahead", "Reader", "Replay", "make_input", "snapshot_state"]
 
 log = logging.getLogger("loopkit")
 
@@ -52,8 +52,20 @@ class Input:
         #: batches consumed minus the global step: batches rollbacks skipped
         #: (`Config.on_guard`); a checkpoint of step s records s + offset consumed
         self.offset = 0
-        #: the batch ranges ``(first, end)`` skipped so far, oldest first
+        #: the batch ranges ``(first, end)`` skipped so far, oldest first (an empty one:
+        #: a rollback that skipped none, trained its batches again)
         self.skipped: list[tuple[int, int]] = []
+        #: a callable source: ``data(start)``, to open it again at another batch
+        self.reopen: Callable[[int], Any] | None = None
+        #: the batches trained again in front of the loop's own (`replayable`)
+        self.replay: Replay | None = None
+
+    def replayable(self) -> Replay:
+        """Ask, before the loop reads, for batches to be trained again in front of the
+        loop's own (a rollback that skips none). Costs the loop a method call a batch."""
+        if self.replay is None:
+            self.replay = Replay()
+        return self.replay
 
     @property
     def reader(self) -> Reader:
@@ -75,15 +87,54 @@ class Input:
         """Read the input through `reader` from now on (the session's choice, once)."""
         self._reader = reader
 
+    def consumed(self, step: int) -> int:
+        """Batches the loop's own input has consumed at global step `step`: a replay
+        under way reads in front of it, and it stands at the replay's end."""
+        replay = self.replay
+        if replay is not None and replay.side is not None:
+            return replay.end
+        return step + self.offset
+
     def position(self, step: int) -> Any:
         """The input position after the batch of global step `step` was consumed.
 
         JSON-able; None when the source cannot say (a plain iterable), or when
         the batch count alone says it (a callable `data(start_step)`).
         """
+        if self.replay is not None and step in self.replay.positions:  # trained again
+            return self.replay.positions[step]
         if self._reader.position is not None:
             return self._reader.position(step)
         return self.source.get_state() if self.kind == "stateful" else None
+
+
+class Replay:
+    """The loop's batches (`main`) with batches to train again in front (`side`).
+
+    A rollback that skips no batch (`Config.on_guard="replay"`, a replica mismatch)
+    sets `side` to the batches the undone steps consumed, read again from the source;
+    once they are taken the loop reads `main` again, where it stood. `positions`
+    holds the input position after each batch trained again, by step, for a save
+    among them (a stateful source).
+    """
+
+    def __init__(self) -> None:
+        self.main: Iterator[Any] = iter(())
+        self.side: Iterator[Any] | None = None
+        self.positions: dict[int, Any] = {}
+        self.end = 0  #: batches `main` has consumed while `side` is read
+
+    def __iter__(self) -> Replay:
+        return self
+
+    def __next__(self) -> Any:
+        side = self.side
+        if side is not None:
+            try:
+                return next(side)
+            except StopIteration:
+                self.side, self.positions = None, {}
+        return next(self.main)
 
 
 class Lookahead:
@@ -164,7 +215,9 @@ def global_batch(sharding: Any, batch: Any) -> Any:
 
 def _open(data: Any, start_step: int, position: Any, restored: bool) -> Input:
     if callable(data) and not hasattr(data, "__iter__") and not hasattr(data, "__next__"):
-        return Input(iter(data(start_step)), "callable", start_step)
+        inp = Input(iter(data(start_step)), "callable", start_step)
+        inp.reopen = data
+        return inp
     try:
         it = iter(data)
     except TypeError:

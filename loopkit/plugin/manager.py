@@ -27,6 +27,8 @@ __all__ = ["BUILTINS", "AUTOLOAD_ENV", "PluginManager", "make_plugin_manager"]
 BUILTINS = (
     "init",
     "goodput",
+    "replica_check",
+    "straggler",
     "summaries",
     "checkpoint",
     "step_counter",

@@ -2,7 +2,7 @@
 
 Every line is one JSON object whose ``"event"`` names its record type. The
 goodput plugin writes `Start`, `Window`, `Stop`; the watchdog `Hang`; a rollback
-`Rollback`; `loopkit run` `Restart`. Times are wall-clock seconds
+`Rollback`; a fault check `Fault`; `loopkit run` `Restart`. Times are wall-clock seconds
 (`time.time()`); durations are seconds.
 
 A line is appended with one `write` of the whole line, then flushed and
@@ -20,7 +20,7 @@ from typing import Any, ClassVar, Iterator
 
 from loopkit import storage
 
-__all__ = ["LEDGER_NAME", "Hang", "Record", "Restart", "Rollback", "Start", "Stop", "Window",
+__all__ = ["LEDGER_NAME", "Fault", "Hang", "Record", "Restart", "Rollback", "Start", "Stop", "Window",
            "append_line", "parse", "records_in", "read_records", "record_restart"]
 
 LEDGER_NAME = "goodput.jsonl"
@@ -109,6 +109,22 @@ class Rollback(Record):
 
 
 @dataclasses.dataclass(frozen=True)
+class Fault(Record):
+    """A machine named at fault on process `process` (`host`): `cause` "sdc" (the copies
+    of a replicated leaf differ; `device` the id of the one that differs), "compute"
+    (a bad value that training the same batches again did not bring back) or
+    "straggler" (`secs`: the time the other processes waited for it)."""
+
+    event: ClassVar[str] = "fault"
+    cause: str
+    process: int
+    host: str
+    device: int | None = None
+    detail: str = ""
+    secs: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
 class Restart(Record):
     """`loopkit run` restarts its child (`kind`: "failure" or "preemption")."""
 
@@ -119,7 +135,7 @@ class Restart(Record):
 
 
 TYPES: dict[str, type[Record]] = {
-    t.event: t for t in (Start, Window, Stop, Hang, Rollback, Restart)
+    t.event: t for t in (Start, Window, Stop, Hang, Rollback, Fault, Restart)
 }
 
 

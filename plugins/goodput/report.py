@@ -19,14 +19,14 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from loopkit.plugins.goodput.records import (
-    Hang, Record, Rollback, Start, Stop, Window, read_records,
+    Fault, Hang, Record, Rollback, Start, Stop, Window, read_records,
 )
 
 __all__ = ["CAUSES", "DEFAULT_MTBI_SECS", "MAX_SAVE_SECS", "FINISHED", "GoodputReport",
            "UNINTERRUPTED_MTBI_SECS", "UNMEASURED_SAVE_SECS", "format_report", "goodput", "summarise", "young_daly"]
 
 CAUSES = ("startup", "restore", "compile", "recompute", "checkpoint", "input", "timers",
-          "downtime", "hang")
+          "downtime", "hang", "straggler")
 #: the mean time between interruptions `young_daly` assumes when given none (a report
 #: before the first interruption gives the run's wall time so far instead)
 DEFAULT_MTBI_SECS = 24 * 3600.0
@@ -101,6 +101,7 @@ class _Session:
     rollbacks: list[Rollback] = dataclasses.field(default_factory=list)
     hang: Hang | None = None
     stop: Stop | None = None
+    straggler_secs: float = 0.0  # the others' wait for a slow process, within the steps
     last_time: float = 0.0
     last_step: int | None = None
 
@@ -137,6 +138,8 @@ def _sessions(records: Sequence[Record]) -> list[_Session]:
             s.rollbacks.append(r)
         elif isinstance(r, Hang):
             s.hang = r
+        elif isinstance(r, Fault):
+            s.straggler_secs += r.secs if r.cause == "straggler" else 0.0
         else:
             continue
         s.last_time = max(s.last_time, r.time)
@@ -179,6 +182,7 @@ def summarise(records: Sequence[Record]) -> GoodputReport:
                 if w.saves == 0:
                     quiet_secs, quiet_steps = quiet_secs + w.step_secs, quiet_steps + w.step - prev
             prev = w.step if w.step is not None else prev
+        bad["straggler"] += s.straggler_secs
         mean_step = s.step_time()
         for r in s.rollbacks:
             rollbacks += 1
@@ -199,7 +203,9 @@ def summarise(records: Sequence[Record]) -> GoodputReport:
             bad["hang"] += min(s.hang.idle_secs, stretch)
             bad["downtime"] += stretch - min(s.hang.idle_secs, stretch)
     bad["recompute"] = min(bad["recompute"], step_secs)
-    productive = step_secs - bad["recompute"]
+    # the time the others waited for a straggler is inside their steps' time
+    bad["straggler"] = min(bad["straggler"], step_secs - bad["recompute"])
+    productive = step_secs - bad["recompute"] - bad["straggler"]
     wall = 0.0
     if sessions:
         first = sessions[0].start
