@@ -1,13 +1,17 @@
 """Built-in `straggler` (`Config.straggler_threshold`): the slow process, named.
 
 A collective makes every process as slow as the slowest, and nothing says which
-one it is. Each process measures its own host time per step -- the time it waits
-for its input (`SessionStats.input_wait_secs`, from the prefetch plugin's clock
-reads) and spends in timer actions of its own (`SessionStats.timer_secs`) -- from
-what loopkit already measures: nothing runs per step. Not the step's dispatch nor
-a wait for the device, where a collective makes the fast processes wait for the
-slow one, and not loopkit's own timers that wait for the device or meet the other
-processes (summaries, saves, the ledger, the checks).
+one it is. Each process measures its own host time per step: the work of reading
+its input (`SessionStats.input_read_secs`: the prefetch threads' time reading,
+transforming and placing batches, two clock reads a batch in those threads, made
+only while this plugin is on) and its own timer actions (`SessionStats.timer_secs`,
+timed already). Nothing runs in the loop per step. Not the loop's wait for input:
+with a collective in the step, a process a hair slower than the others waits for
+its input while they wait in the step, so waits name whoever is slowest by 1%.
+Not the step's dispatch nor a wait for the device, where the fast processes wait
+for the slow one; not loopkit's own timers that wait for the device or meet the
+other processes (summaries, saves, the ledger, the checks). Input read in the
+loop's own thread (`Config.prefetch=0`, small in-memory batches) is not measured.
 
 At each summary window (a timer with the summaries' cadence: every process fires it
 at the same step, the time trigger agreed) the processes exchange their own time
@@ -63,7 +67,7 @@ class StragglerWatch:
         self.steps = config.save_summaries_steps
         self.streak: list[int] = []
         self.owed: list[float] = []  # the streak's excess seconds, booked once named
-        self.mark: tuple[int, float, float, dict[str, float]] = (0, 0.0, 0.0, {})
+        self.mark: tuple[int, float, float, int, dict[str, float]] = (0, 0.0, 0.0, 0, {})
 
     @hookimpl
     def session_create(self, session: Session) -> None:
@@ -82,18 +86,19 @@ class StragglerWatch:
 
     def _mark(self, session: Session) -> None:
         stats = session.stats
-        self.mark = (session.step, session.clock(), stats.input_wait_secs, dict(stats.timer_secs))
+        self.mark = (session.step, session.clock(), stats.input_read_secs,
+                     stats.input_read_batches, dict(stats.timer_secs))
 
     def _own(self, session: Session) -> tuple[int, list[float]]:
         """Steps since the mark, and [own, input, timers, wall] seconds per step."""
-        step0, t0, input0, timers0 = self.mark
+        step0, t0, input0, read0, timers0 = self.mark
         stats, steps = session.stats, session.step - step0
         wall = session.clock() - t0
-        inputs = stats.input_wait_secs - input0
+        read = stats.input_read_batches - read0  # read ahead: not the window's steps
+        inputs = (stats.input_read_secs - input0) / read if read > 0 else 0.0  # one a step
         timers = sum(secs - timers0.get(name, 0.0) for name, secs in stats.timer_secs.items()
-                     if name not in WAITING_TIMERS)
-        per = max(steps, 1)
-        return steps, [(inputs + timers) / per, inputs / per, timers / per, wall / per]
+                     if name not in WAITING_TIMERS) / max(steps, 1)
+        return steps, [inputs + timers, inputs, timers, wall / max(steps, 1)]
 
     def _window(self, session: Session) -> None:
         from jax.experimental import multihost_utils
@@ -116,10 +121,10 @@ class StragglerWatch:
                 self.streak[p], self.owed[p] = 0, 0.0
                 continue
             self.streak[p] += 1
-            self.owed[p] += excess * steps
+            self.owed[p] += float(excess) * steps
             if self.streak[p] < self.windows:
                 continue
-            factor = own[p] / others if others > 0 else float("inf")
+            factor = float(own[p]) / others if others > 0 else float("inf")
             self._name(session, p, factor, table[p], self.streak[p] == self.windows)
             if worst is None or factor > worst[0]:
                 worst = (factor, p)

@@ -101,7 +101,7 @@ def main():
     rec = Rollbacks()
     steps = MANY if case == "many" else N
     fields = dict(max_steps=steps, replica_check_steps=1 if case == "many" else EVERY,
-                  save_model_steps=10, save_model_secs=None, save_summaries_secs=None,
+                  save_model_steps=None if case == "many" else 10, save_model_secs=None, save_summaries_secs=None,
                   progress=False, logdir=logdir, plugins=[rec],
                   on_guard=case if case in ("raise", "rollback", "replay") else "raise")
     out = {"case": case}
