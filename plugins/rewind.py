@@ -32,7 +32,7 @@ from loopkit.state.pytree import is_key
 if TYPE_CHECKING:
     from loopkit.loop.data import Input
 
-__all__ = ["HOSTS", "INITIAL", "HostCopy", "Rereader", "hosts", "initial_copy",
+__all__ = ["HOSTS", "INITIAL", "HostCopy", "Replay", "Rereader", "hosts", "initial_copy",
            "refuse_input", "restore_before"]
 
 log = logging.getLogger("loopkit")
@@ -153,6 +153,35 @@ def restore_before(session: Any, before_step: int, error: BaseException) -> tupl
     raise error
 
 
+class Replay:
+    """The loop's batches (`main`) with batches to train again in front (`side`).
+
+    A rollback that skips no batch (`Config.on_guard="replay"`, a replica mismatch)
+    sets `side` to the batches the undone steps consumed, read again from the source;
+    once they are taken the loop reads `main` again, where it stood. `positions`
+    holds the input position after each batch trained again, by step, for a save
+    among them (a stateful source).
+    """
+
+    def __init__(self) -> None:
+        self.main: Iterator[Any] = iter(())
+        self.side: Iterator[Any] | None = None
+        self.positions: dict[int, Any] = {}
+        self.end = 0  #: batches `main` has consumed while `side` is read
+
+    def __iter__(self) -> Replay:
+        return self
+
+    def __next__(self) -> Any:
+        side = self.side
+        if side is not None:
+            try:
+                return next(side)
+            except StopIteration:
+                self.side, self.positions = None, {}
+        return next(self.main)
+
+
 class Rereader:
     """Reads again the batches that rolled-back steps consumed (`Input.replay`'s side).
 
@@ -163,7 +192,9 @@ class Rereader:
     def __init__(self, session: Any, on_guard: str) -> None:
         inp = session.input
         refuse_input(inp, on_guard, "trains batches again after going back")
-        self.replay = inp.replayable()
+        if inp.replay is None:  # one front for every plugin that goes back
+            inp.replay = Replay()
+        self.replay: Replay = inp.replay
         self.transform = session.config.data_transform
         self.sharding = session.config.data_sharding
         self.spare: Any = None

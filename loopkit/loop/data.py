@@ -7,7 +7,7 @@ import copy
 import logging
 from typing import Any, Callable, Iterator, NamedTuple
 
-__all__ = ["Input", "Lookahead", "Reader", "Replay", "make_input", "snapshot_state"]
+__all__ = ["Input", "Lookahead", "Reader", "make_input", "snapshot_state"]
 
 log = logging.getLogger("loopkit")
 
@@ -57,15 +57,10 @@ class Input:
         self.skipped: list[tuple[int, int]] = []
         #: a callable source: ``data(start)``, to open it again at another batch
         self.reopen: Callable[[int], Any] | None = None
-        #: the batches trained again in front of the loop's own (`replayable`)
-        self.replay: Replay | None = None
-
-    def replayable(self) -> Replay:
-        """Ask, before the loop reads, for batches to be trained again in front of the
-        loop's own (a rollback that skips none). Costs the loop a method call a batch."""
-        if self.replay is None:
-            self.replay = Replay()
-        return self.replay
+        #: set by a plugin before the loop reads: batches to train again, read in front
+        #: of the loop's own (`loopkit.plugins.rewind.Replay`: `main`, `side`, `end`,
+        #: `positions`); costs the loop a method call a batch
+        self.replay: Any = None
 
     @property
     def reader(self) -> Reader:
@@ -106,35 +101,6 @@ class Input:
         if self._reader.position is not None:
             return self._reader.position(step)
         return self.source.get_state() if self.kind == "stateful" else None
-
-
-class Replay:
-    """The loop's batches (`main`) with batches to train again in front (`side`).
-
-    A rollback that skips no batch (`Config.on_guard="replay"`, a replica mismatch)
-    sets `side` to the batches the undone steps consumed, read again from the source;
-    once they are taken the loop reads `main` again, where it stood. `positions`
-    holds the input position after each batch trained again, by step, for a save
-    among them (a stateful source).
-    """
-
-    def __init__(self) -> None:
-        self.main: Iterator[Any] = iter(())
-        self.side: Iterator[Any] | None = None
-        self.positions: dict[int, Any] = {}
-        self.end = 0  #: batches `main` has consumed while `side` is read
-
-    def __iter__(self) -> Replay:
-        return self
-
-    def __next__(self) -> Any:
-        side = self.side
-        if side is not None:
-            try:
-                return next(side)
-            except StopIteration:
-                self.side, self.positions = None, {}
-        return next(self.main)
 
 
 class Lookahead:

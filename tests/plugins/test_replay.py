@@ -142,9 +142,19 @@ def test_a_bad_value_only_the_first_time_keeps_the_rerun_and_names_the_host(
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 1 and f"compute fault on process 0 (host {host})" in errors[0]
     assert "at step 15 did not come back" in errors[0]
-    # a save among the steps trained again holds their input position: resuming from
-    # it reads on where the uninterrupted run reads
-    assert loopkit.latest_checkpoint(tmp_path / "a")[0] == N
+    # the save of step 15, among the steps trained again, holds their input position
+    # (a resume from it reads on where the uninterrupted run reads), and the replay,
+    # an empty skipped range: it counts as a rollback across restarts
+    from loopkit.plugins.checkpoint.backends.orbax import OrbaxBackend
+
+    backend = OrbaxBackend(tmp_path / "a")
+    try:
+        meta = backend.restore(15, None)[1]
+    finally:
+        backend.close()
+    assert meta["consumed"] == 15 and meta["skipped"] == [[10, 10]]
+    if kind == "stateful":
+        assert meta["data_position"] == {"i": 15}
 
 
 def test_replays_count_against_max_rollbacks(tmp_path):
