@@ -9,7 +9,8 @@ from loopkit.plugin.backend import CheckpointBackend, Restored, RollbackRecord
 from loopkit.config import Config
 from loopkit.loop.coordinator import Coordinator
 from loopkit.errors import (
-    HANG_EXIT_CODE, CheckpointError, LogdirInUseError, NonFiniteError, PluginError, SpikeError,
+    HANG_EXIT_CODE, CheckpointError, LogdirInUseError, NonFiniteError, PluginError,
+    ReplicaMismatchError, SpikeError,
 )
 from loopkit.plugin.hookspec import hookimpl, hookspec
 from loopkit.loop.session import Session
@@ -28,6 +29,7 @@ __all__ = [
     "LogdirInUseError",
     "NonFiniteError",
     "PluginError",
+    "ReplicaMismatchError",
     "Restored",
     "RollbackRecord",
     "Session",

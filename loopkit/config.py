@@ -209,8 +209,11 @@ class Config:
     startup_timeout_secs: float | None = _field(None, _secs(True, ">"))
     spike_threshold: float | None = _field(None, _number("a number", ">", 1, True))
     spike_window: int = _field(100, _count(2, False))
-    on_guard: str = _field("raise", _choice("raise", "rollback"))
+    on_guard: str = _field("raise", _choice("raise", "rollback", "replay"))
     max_rollbacks: int = _field(3, _count(0, False))
+    replica_check_steps: int | None = _field(None, _count(1, True))
+    straggler_threshold: float | None = _field(None, _number("a number", ">", 1, True))
+    straggler_windows: int = _field(3, _count(1, False))
     local_checkpoint_dir: str | os.PathLike[str] | None = _field(None, _local_dir)
     save_local_secs: float | None = _field(60, _secs(True))
     save_local_steps: int | None = _field(None, _count(0, True))
@@ -223,10 +226,19 @@ class Config:
             allowed = f.metadata["check"](value)
             if allowed is not None:
                 raise ValueError(f"Config.{f.name}={value!r} is not allowed: expected {allowed}")
-        for name in ("spike_threshold", "on_guard"):  # what the guard does needs a guard
-            if self.nan_guard is None and getattr(self, name) != _DEFAULTS[name]:
-                raise ValueError(f"Config.{name}={getattr(self, name)!r} needs Config.nan_guard "
-                                 "to name the metric to watch (it is None)")
+        if self.nan_guard is None and self.spike_threshold is not None:
+            raise ValueError(f"Config.spike_threshold={self.spike_threshold!r} needs "
+                             "Config.nan_guard to name the metric to watch (it is None)")
+        if self.on_guard != "raise" and self.nan_guard is None and not self.replica_check_steps:
+            # what the guard does needs a guard: a metric, or the replica check
+            raise ValueError(f"Config.on_guard={self.on_guard!r} needs Config.nan_guard to "
+                             "name the metric to watch, or Config.replica_check_steps (both "
+                             "are None)")
+        if self.straggler_threshold is not None and not (self.save_summaries_secs
+                                                         or self.save_summaries_steps):
+            raise ValueError(f"Config.straggler_threshold={self.straggler_threshold!r} "
+                             "compares the processes at each summary window, and there is "
+                             "none: set Config.save_summaries_secs or save_summaries_steps")
         if self.startup_timeout_secs is not None and self.hang_timeout_secs is None:
             raise ValueError(f"Config.startup_timeout_secs={self.startup_timeout_secs!r} needs "
                              "Config.hang_timeout_secs: the watchdog that watches the start-up "

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 __all__ = ["CheckpointError", "HANG_EXIT_CODE", "LogdirInUseError", "NonFiniteError",
-           "PluginError", "SpikeError"]
+           "PluginError", "ReplicaMismatchError", "SpikeError"]
 
 #: The exit code of a process the hang watchdog ended (`EX_TEMPFAIL`): try again.
 HANG_EXIT_CODE = 75
@@ -48,6 +48,22 @@ class SpikeError(NonFiniteError):
 
     def __reduce__(self):
         return (type(self), (self.metric, self.step, self.value, self.median, self.threshold))
+
+
+class ReplicaMismatchError(RuntimeError):
+    """The copies of a replicated leaf differ between devices (silent data corruption).
+
+    Raised by `Config.replica_check_steps` with ``Config.on_guard="raise"``; `leaf`,
+    `step`, `process` and `device` (the id of the device whose copy differs from the
+    others) say where.
+    """
+
+    def __init__(self, message: str, leaf: str, step: int, process: int, device: int) -> None:
+        super().__init__(message)
+        self.leaf, self.step, self.process, self.device = leaf, step, process, device
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.leaf, self.step, self.process, self.device))
 
 
 class PluginError(RuntimeError):

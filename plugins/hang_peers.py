@@ -54,11 +54,10 @@ class ProcessSteps:
 
         if jax.process_count() == 1:
             return cls(None)
-        # JAX exposes its coordination client only here (orbax's multihost module
-        # reads it the same way); the store belongs to the job, not to a process.
-        from jax._src import distributed
+        # the store belongs to the job, not to a process
+        from loopkit.process.job import kv_client
 
-        return cls(distributed.global_state.client)
+        return cls(kv_client())
 
     def _set(self, key: str, value: str) -> None:
         if self.client is None:

@@ -165,6 +165,10 @@ class Feed:
         # the source's state after k batches were read, for k from the loop's step on
         self.states: dict[int, Any] = {0: self._state()} if self.stateful else {}
         self.oldest = 0
+        # the readers' own work, for a straggler's "in input": a wait in the loop is
+        # not it, since with a collective in the step the slightly slower process waits
+        # for input while the others wait in the step
+        self.timed = cfg.straggler_threshold is not None and jax.process_count() > 1
         n = cfg.prefetch_threads if self.transform is not None else 1
         self.several = n > 1  # then producers may wait for their turn
         for name in ["reader"] if n == 1 else [f"transform-{i}" for i in range(n)]:
@@ -211,6 +215,7 @@ class Feed:
         try:
             while True:
                 doing = READING
+                t0 = time.perf_counter() if self.timed else 0.0
                 with self.read_lock:  # one reader at a time, in the source's order
                     if self.exhausted or self.session.should_stop():
                         return
@@ -236,6 +241,10 @@ class Feed:
                     elif not self.small:
                         doing = PLACING
                         item = jax.device_put(item)
+                if self.timed:
+                    stats = self.session.stats
+                    stats.input_read_secs += time.perf_counter() - t0
+                    stats.input_read_batches += 1
                 if self.put != ticket and not self._wait(lambda: self.put == ticket):
                     return
                 if item is _END:

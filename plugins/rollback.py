@@ -1,6 +1,6 @@
 """`Config.on_guard="rollback"`: the `nan_guard` built-in goes back instead of failing.
 
-On a bad value (see `plugins/nan_guard.py`) at step b, detected at step d > b,
+On a bad value (see `plugins/nan_guard/`) at step b, detected at step d > b,
 `RollbackGuard` asks the `rollback_state` hook (the `checkpoint` built-in: it
 waits for the save in flight) for the newest committed checkpoint of a step
 c < b, or goes back to the session's initial state (`HostCopy`). The input is
@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import TYPE_CHECKING, Any, Mapping
+import time
+from typing import TYPE_CHECKING, Any, Mapping, NamedTuple
 
 import jax
 import numpy as np
@@ -36,15 +37,16 @@ from loopkit.config import Config
 from loopkit.loop.coordinator import add_note
 from loopkit.errors import NonFiniteError, SpikeError
 from loopkit.plugin.hookspec import hookimpl
-from loopkit.plugins.checkpoint.backends.records import weakly_typed
 from loopkit.plugins.checkpoint.replicas import SAVE_VETO
-from loopkit.plugins.nan_guard import NanGuardPlugin
-from loopkit.state.pytree import is_key
+from loopkit.plugins.nan_guard.guard import NanGuardPlugin
+from loopkit.plugins.rewind import (
+    HostCopy, Rereader, hosts, initial_copy, refuse_input, restore_before,
+)
 
 if TYPE_CHECKING:
     from loopkit.loop.session import Session
 
-__all__ = ["HostCopy", "ROLLBACKS_TAG", "RollbackGuard"]
+__all__ = ["HostCopy", "ROLLBACKS_TAG", "RollbackGuard", "Trial", "refuse_input"]
 
 log = logging.getLogger("loopkit")
 
@@ -53,85 +55,43 @@ ROLLBACKS_TAG = "loopkit/rollbacks"
 _NONE = np.iinfo(np.int32).max  # "no bad step here", in the agreement's vector
 
 
-class HostCopy:
-    """A state copied to host memory, put back on its devices on demand.
+class Trial(NamedTuple):
+    """A replay under way: the bad value of `step` is being trained again."""
 
-    The session's initial state, to go back to when no checkpoint comes before
-    the bad step: device memory holds no second copy of it. Each array leaf
-    keeps its placement (sharding, committed or not), its weak type, and a typed
-    PRNG key its implementation (the key's data is what is copied); a leaf
-    spread over several processes keeps only this process's shards.
-    """
-
-    def __init__(self, step: int, state: Any) -> None:
-        self.step = step
-        leaves, self.treedef = jax.tree.flatten(state)
-        self.leaves = [self._save(x) for x in leaves]
-
-    @staticmethod
-    def _save(x: Any) -> Any:
-        if not isinstance(x, jax.Array):
-            return ("value", np.array(x, copy=True) if isinstance(x, np.ndarray) else x)
-        impl = jax.random.key_impl(x) if is_key(x.dtype) else None
-        kind = (impl, bool(getattr(x, "weak_type", False)))  # what the host copy loses
-        data = jax.random.key_data(x) if impl is not None else x
-        if data.is_fully_addressable:  # copied: a view of a buffer a step donates would change
-            return ("array", kind, np.array(data, copy=True),
-                    data.sharding if x.committed else None)
-        shards = [(s.device, np.array(s.data, copy=True)) for s in data.addressable_shards]
-        return ("shards", kind, data.shape, data.sharding, shards)
-
-    @staticmethod
-    def _load(saved: Any) -> Any:
-        if saved[0] == "value":
-            return saved[1]
-        if saved[0] == "array":
-            _, (impl, weak), host, sharding = saved
-            x = jax.device_put(host, sharding) if sharding is not None else jax.numpy.asarray(host)
-        else:
-            _, (impl, weak), shape, sharding, shards = saved
-            x = jax.make_array_from_single_device_arrays(
-                shape, sharding, [jax.device_put(data, device) for device, data in shards])
-        if impl is not None:
-            return jax.random.wrap_key_data(x, impl=impl)
-        return weakly_typed(x) if weak and not x.weak_type else x
-
-    def state(self) -> Any:
-        return jax.tree.unflatten(self.treedef, [self._load(s) for s in self.leaves])
-
-
-def refuse_input(inp: Any) -> None:
-    """Rollback skips batches: it needs an input that can say where it stands."""
-    can = ("a callable data(start), called with the number of batches consumed, or an "
-           "iterator with get_state()/set_state() (grain's DataLoader or DatasetIterator)")
-    if inp is None:
-        raise ValueError(
-            "Config.on_guard='rollback' skips the batches after a bad value, and this "
-            f"session reads none: pass data= to train or managed_session, as {can}")
-    if inp.kind == "iterable":
-        raise ValueError(
-            "Config.on_guard='rollback' cannot be used with a plain iterable as data (a list, "
-            "a generator): a run resumed after a rollback could not find the batches it "
-            f"skipped. Pass {can}; or on_guard='raise'")
+    step: int
+    value: float
+    index: int  #: its (empty) range's place in ``input.skipped``: the rollback it counts as
+    mine: bool  #: this process saw the bad value (with several, the one that is named)
+    process: int  #: the process that saw it
 
 
 class RollbackGuard(NanGuardPlugin):
-    """`nan_guard` with `on_guard="rollback"`: restore, skip the batches since, go on."""
+    """`nan_guard` with `on_guard="rollback"`: restore, skip the batches since, go on;
+    with `on_guard="replay"`, train them again first (`Trial`), and skip them only if
+    the bad value comes back."""
 
     def __init__(self, config: Config) -> None:
         super().__init__(config)
+        self.on_guard = config.on_guard
         self.max_rollbacks = config.max_rollbacks
         self.max_steps = config.max_steps
         self.initial: HostCopy | None = None
         self.first_bad: NonFiniteError | None = None  # many processes: waiting for a vote
+        self.first_process = 0  # many processes: the process whose bad value was agreed
         self.vote: Any = None
+        self.rereader: Rereader | None = None
+        self.trial: Trial | None = None
+        self.session: Any = None
 
     @hookimpl
     def session_create(self, session: Session) -> None:
-        refuse_input(session.input)
-        if session.restored is None:  # the initial state, for a bad step before any save
-            self.initial = HostCopy(session.step, session.state)
+        refuse_input(session.input, self.on_guard)
+        self.initial = initial_copy(session)  # for a bad step before any save
+        self.session = session
+        if self.on_guard == "replay":
+            self.rereader = Rereader(session, self.on_guard)
         if jax.process_count() > 1:
+            hosts(session)  # gathered now, while every process is here
             self.vote = session.every(self._agreed, secs=math.inf, name="rollback")
             session.stash[SAVE_VETO] = self  # a durable save carries the verdict
 
@@ -208,7 +168,8 @@ class RollbackGuard(NanGuardPlugin):
                 getattr(mine, "median", 0.0)] if mine is not None else [_NONE, 0.0, 0, 0.0])
         rows = np.asarray(multihost_utils.process_allgather(np.asarray(row, np.float64)))
         rows = rows.reshape(-1, 4)
-        first = rows[int(np.argmin(rows[:, 0]))]
+        self.first_process = int(np.argmin(rows[:, 0]))
+        first = rows[self.first_process]
         if first[0] >= _NONE:
             return None
         step, value = int(first[0]), float(first[1])
@@ -218,29 +179,66 @@ class RollbackGuard(NanGuardPlugin):
             return SpikeError(self.metric, step, value, float(first[3]), self.threshold)
         return NonFiniteError(self.metric, step, value)
 
+    def _check(self, step: int, value: Any) -> NonFiniteError | None:
+        bad = super()._check(step, value)
+        trial = self.trial
+        if bad is None and trial is not None and step == trial.step and trial.mine:
+            self._compute_fault(trial)  # trained again, the value is good: the machine
+        return bad
+
+    def _compute_fault(self, trial: Trial) -> None:
+        from loopkit.plugins.goodput.ledger import LEDGER
+        from loopkit.plugins.goodput.records import Fault
+
+        session = self.session
+        self.trial = trial._replace(mine=False)  # named once; a vote may still follow
+        host = hosts(session)[trial.process]
+        log.error("loopkit: compute fault on process %d (host %s): %r=%s at step %d did not "
+                  "come back when the same batches were trained again; the re-run's state "
+                  "stands, nothing skipped. Drain this machine if it happens again",
+                  trial.process, host, self.metric, trial.value, trial.step)
+        ledger = session.stash.get(LEDGER)
+        if ledger is not None:
+            ledger.write(Fault(time=time.time(), step=trial.step, cause="compute",
+                               process=trial.process, host=host,
+                               detail=f"{self.metric}={trial.value!r}"))
+
     def _roll_back(self, session: Session, error: NonFiniteError) -> None:
-        inp = session.input
-        done = len(inp.skipped)
+        inp, trial = session.input, self.trial
+        if trial is not None and error.step == trial.step and trial.index == len(inp.skipped) - 1:
+            # the bad value came back at the same step, on the same batch: the data. The
+            # replay counted as this rollback already: its range becomes the skipped one
+            self.trial = None
+            inp.skipped.pop()
+            log.warning("loopkit: %s again when trained again: the batch is at fault, "
+                        "skipping it", error)
+            self._skip_back(session, error)
+        elif self.on_guard == "replay":
+            self._replay(session, error)
+        else:
+            self._skip_back(session, error)
+
+    def _budget(self, session: Session, error: NonFiniteError) -> int:
+        done = len(session.input.skipped)
         if done >= self.max_rollbacks:
             add_note(error, f"loopkit rolled back {done} times already "
                             f"(Config.max_rollbacks={self.max_rollbacks}): raised")
             raise error
-        restored = session.hook.rollback_state(session=session, before_step=error.step)
-        if restored is not None:
-            state, to, where = restored.state, restored.step, restored.path
-        elif self.initial is not None and self.initial.step < error.step:
-            state, to, where = self.initial.state(), self.initial.step, "the initial state"
-        else:
-            add_note(error, f"loopkit found nothing to roll back to: no checkpoint before "
-                            f"step {error.step}, and the session did not start fresh")
-            raise error
-        consumed = session.step + inp.offset
+        return done
+
+    def _skip_back(self, session: Session, error: NonFiniteError) -> None:
+        inp = session.input
+        done = self._budget(session, error)
+        state, to, where, _ = restore_before(session, error.step, error)
+        consumed = inp.consumed(session.step)
         first = max(to + inp.offset, inp.skipped[-1][1] if inp.skipped else 0)
         # the step first, then the offset: prefetch reads step + offset from its thread,
         # and must never see more batches consumed than there are
         session.rewind(to, state)
         inp.offset = consumed - to
         inp.skipped.append((first, consumed))
+        if inp.replay is not None:
+            inp.replay.side = None  # a replay under way ends here: its batches are skipped
         self._pending = None
         if self.window is not None:
             self.window.clear()  # as a restart from this checkpoint would have it
@@ -249,6 +247,33 @@ class RollbackGuard(NanGuardPlugin):
             "loopkit: %s; rolled back to step %d (%s), skipping batches [%d, %d) (%d); "
             "rollback %d of Config.max_rollbacks=%d", error, to, where, first, consumed,
             consumed - first, done + 1, self.max_rollbacks)
+        self._announce(session, record, done + 1)
+
+    def _replay(self, session: Session, error: NonFiniteError) -> None:
+        """Go back without skipping: the steps since are trained again on the same
+        batches, and the value of `error.step` tells the data from the machine."""
+        inp = session.input
+        done = self._budget(session, error)
+        state, to, where, restored = restore_before(session, error.step, error)
+        end = inp.consumed(session.step)
+        first = to + inp.offset
+        session.rewind(to, state)
+        assert self.rereader is not None
+        self.rereader.train_again(session, first, end, restored)
+        inp.skipped.append((first, first))  # skips nothing, counts as a rollback
+        me = jax.process_index()
+        process = me if self.vote is None else self.first_process
+        self.trial = Trial(error.step, error.value, len(inp.skipped) - 1, process == me, process)
+        self._pending = None  # the spike window is kept: the steps trained again refill it
+        record = RollbackRecord(error.step, to, (first, first), self.metric, error.value)
+        log.warning(
+            "loopkit: %s; rolled back to step %d (%s) to train batches [%d, %d) again: the "
+            "same bad value at step %d means the data, none the machine; rollback %d of "
+            "Config.max_rollbacks=%d", error, to, where, first, end, error.step, done + 1,
+            self.max_rollbacks)
+        self._announce(session, record, done + 1)
+
+    def _announce(self, session: Session, record: RollbackRecord, count: int) -> None:
         session.hook.on_rollback(session=session, record=record)
         if session.summary_writer is not None:  # after the summaries' purge, which hides it
-            session.summary_writer.add_scalar(ROLLBACKS_TAG, done + 1, error.step)
+            session.summary_writer.add_scalar(ROLLBACKS_TAG, count, record.step)

@@ -52,8 +52,15 @@ class Input:
         #: batches consumed minus the global step: batches rollbacks skipped
         #: (`Config.on_guard`); a checkpoint of step s records s + offset consumed
         self.offset = 0
-        #: the batch ranges ``(first, end)`` skipped so far, oldest first
+        #: the batch ranges ``(first, end)`` skipped so far, oldest first (an empty one:
+        #: a rollback that skipped none, trained its batches again)
         self.skipped: list[tuple[int, int]] = []
+        #: a callable source: ``data(start)``, to open it again at another batch
+        self.reopen: Callable[[int], Any] | None = None
+        #: set by a plugin before the loop reads: batches to train again, read in front
+        #: of the loop's own (`loopkit.plugins.rewind.Replay`: `main`, `side`, `end`,
+        #: `positions`); costs the loop a method call a batch
+        self.replay: Any = None
 
     @property
     def reader(self) -> Reader:
@@ -75,12 +82,22 @@ class Input:
         """Read the input through `reader` from now on (the session's choice, once)."""
         self._reader = reader
 
+    def consumed(self, step: int) -> int:
+        """Batches the loop's own input has consumed at global step `step`: a replay
+        under way reads in front of it, and it stands at the replay's end."""
+        replay = self.replay
+        if replay is not None and replay.side is not None:
+            return replay.end
+        return step + self.offset
+
     def position(self, step: int) -> Any:
         """The input position after the batch of global step `step` was consumed.
 
         JSON-able; None when the source cannot say (a plain iterable), or when
         the batch count alone says it (a callable `data(start_step)`).
         """
+        if self.replay is not None and step in self.replay.positions:  # trained again
+            return self.replay.positions[step]
         if self._reader.position is not None:
             return self._reader.position(step)
         return self.source.get_state() if self.kind == "stateful" else None
@@ -164,7 +181,9 @@ def global_batch(sharding: Any, batch: Any) -> Any:
 
 def _open(data: Any, start_step: int, position: Any, restored: bool) -> Input:
     if callable(data) and not hasattr(data, "__iter__") and not hasattr(data, "__next__"):
-        return Input(iter(data(start_step)), "callable", start_step)
+        inp = Input(iter(data(start_step)), "callable", start_step)
+        inp.reopen = data
+        return inp
     try:
         it = iter(data)
     except TypeError:

@@ -209,6 +209,9 @@ class Session:
             ahead = Lookahead(inp)
             inp.read_with(ahead.reader(inp))
             self._sched.read_ahead(ahead.fill, self, self.step)
+        if inp.replay is not None:  # a plugin asked to train batches again in front
+            inp.replay.main = inp.iterator
+            return inp.replay
         return inp.iterator
 
     def every(self, action: Callable[[Session], Any], secs: float | None = None,

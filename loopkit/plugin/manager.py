@@ -28,6 +28,8 @@ __all__ = ["BUILTINS", "AUTOLOAD_ENV", "PluginManager", "make_command_manager",
 BUILTINS = (
     "init",
     "goodput",
+    "replica_check",
+    "straggler",
     "summaries",
     "checkpoint",
     "step_counter",

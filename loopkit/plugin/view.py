@@ -36,6 +36,11 @@ class SessionStats:
     timer_secs: dict[str, float] = dataclasses.field(default_factory=dict)
     #: seconds the loop waited for input (prefetch queue empty)
     input_wait_secs: float = 0.0
+    #: seconds the prefetch threads spent reading, transforming and placing batches,
+    #: measured only while `Config.straggler_threshold` compares the processes' own work
+    input_read_secs: float = 0.0
+    #: the batches those threads read meanwhile (they read ahead of the steps)
+    input_read_batches: int = 0
     #: how many times the metrics were fetched to the host (`Session.host_metrics`)
     host_conversions: int = 0
     #: seconds spent opening the data (`data(start_step)`, `iter(data)`) at the start

@@ -46,10 +46,9 @@ def modules_ahead(session: SessionView) -> list[tuple[str, str]]:
             if not isinstance(name, str) or not name:
                 raise TypeError(f"plugin {impl.plugin_name!r}: import_ahead named {name!r}; "
                                 "each entry must be a module name such as 'orbax.checkpoint'")
-            module = sys.modules.get(name)
-            done = module is not None and not getattr(
-                getattr(module, "__spec__", None), "_initializing", False)
-            if not done:
+            # imported, or being imported by another thread (a later import waits
+            # for it on the import lock): nothing to do ahead
+            if sys.modules.get(name) is None:  # absent, or blocked (None: import raises)
                 wanted.setdefault(name, impl.plugin_name)
     return list(wanted.items())
 

@@ -25,6 +25,7 @@ from typing import Any, Callable
 from loopkit import storage
 from loopkit.errors import LogdirInUseError
 from loopkit.process.logdir_lock import EXPIRY_RENEWALS, LogdirLock, renew_secs
+from loopkit.process.job import kv_client
 from loopkit.storage.store_check import PROBE_SECS, check_store
 
 __all__ = ["claim_logdir", "stop_asked"]
@@ -97,10 +98,7 @@ class _Peers:
 
     @classmethod
     def connect(cls, logdir: Path | str) -> _Peers | None:
-        # JAX exposes its coordination client only here (orbax reads it the same way)
-        from jax._src import distributed
-
-        client = distributed.global_state.client
+        client = kv_client()
         if client is None:
             return None
         tag = zlib.crc32(str(logdir).encode())

@@ -35,6 +35,7 @@ import jax
 import numpy as np
 
 from loopkit.plugins.checkpoint.collectives import COMPARED_STEPS, gather_rows
+from loopkit.process.job import coordinator_address, kv_client
 from loopkit.plugins.checkpoint.peer_transfer import (
     PartServer, background, fetch_part, push_part, remove_incoming,
 )
@@ -68,9 +69,7 @@ def open_peers(config: Any, own_dir: Path) -> Peers | None:
 
 def _own_host() -> str:
     """The address by which this host reaches the coordinator: the one its peers reach."""
-    from jax._src import distributed  # JAX exposes the coordinator's address only here
-
-    host, _, port = str(distributed.global_state.coordinator_address).rpartition(":")
+    host, _, port = str(coordinator_address()).rpartition(":")
     host = host.strip("[]")
     try:
         family, kind, _, _, where = socket.getaddrinfo(host, int(port), type=socket.SOCK_DGRAM)[0]
@@ -82,9 +81,7 @@ def _own_host() -> str:
 
 
 def _client() -> Any:
-    from jax._src import distributed  # as orbax's multihost module reads it
-
-    return distributed.global_state.client
+    return kv_client()
 
 
 class Peers:

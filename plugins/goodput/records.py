@@ -2,7 +2,7 @@
 
 Every line is one JSON object whose ``"event"`` names its record type. The
 goodput plugin writes `Start`, `Window`, `Stop`; the watchdog `Hang`; a rollback
-`Rollback`; `loopkit run` `Restart`. Times are wall-clock seconds
+`Rollback`; a fault check `Fault`; `loopkit run` `Restart`. Times are wall-clock seconds
 (`time.time()`); durations are seconds.
 
 A line is appended with one `write` of the whole line, then flushed and
@@ -25,7 +25,7 @@ from loopkit import storage
 
 log = logging.getLogger("loopkit")
 
-__all__ = ["LEDGER_NAME", "BadLine", "Hang", "Record", "Restart", "Rollback", "Start", "Stop", "Window",
+__all__ = ["LEDGER_NAME", "BadLine", "Fault", "Hang", "Record", "Restart", "Rollback", "Start", "Stop", "Window",
            "append_line", "parse", "records_in", "read_records", "record_restart"]
 
 LEDGER_NAME = "goodput.jsonl"
@@ -123,6 +123,22 @@ class Rollback(Record):
 
 
 @dataclasses.dataclass(frozen=True)
+class Fault(Record):
+    """A machine named at fault on process `process` (`host`): `cause` "sdc" (the copies
+    of a replicated leaf differ; `device` the id of the one that differs), "compute"
+    (a bad value that training the same batches again did not bring back) or
+    "straggler" (`secs`: the time the other processes waited for it)."""
+
+    event: ClassVar[str] = "fault"
+    cause: str
+    process: int
+    host: str
+    device: int | None = None
+    detail: str = ""
+    secs: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
 class Restart(Record):
     """`loopkit run` restarts its child (`kind`: "failure" or "preemption")."""
 
@@ -133,7 +149,7 @@ class Restart(Record):
 
 
 TYPES: dict[str, type[Record]] = {
-    t.event: t for t in (Start, Window, Stop, Hang, Rollback, Restart)
+    t.event: t for t in (Start, Window, Stop, Hang, Rollback, Fault, Restart)
 }
 #: each record type's field annotations, resolved once
 HINTS: dict[type[Record], dict[str, Any]] = {t: typing.get_type_hints(t) for t in TYPES.values()}

@@ -27,7 +27,7 @@ __all__ = ["CAUSES", "DEFAULT_MTBI_SECS", "MAX_SAVE_SECS", "FINISHED", "GoodputR
            "read_sessions", "summarise", "summarise_sessions", "young_daly"]
 
 CAUSES = ("startup", "restore", "compile", "recompute", "checkpoint", "input", "timers",
-          "downtime", "hang")
+          "downtime", "hang", "straggler")
 #: the mean time between interruptions `young_daly` assumes when given none (a report
 #: before the first interruption gives the run's wall time so far instead)
 DEFAULT_MTBI_SECS = 24 * 3600.0
@@ -140,6 +140,7 @@ def summarise_sessions(sessions: Sequence[LedgerSession]) -> GoodputReport:
                 if w.saves == 0:
                     quiet_secs, quiet_steps = quiet_secs + w.step_secs, quiet_steps + w.step - prev
             prev = w.step if w.step is not None else prev
+        bad["straggler"] += s.straggler_secs
         mean_step = s.step_time()
         for r in s.rollbacks:
             rollbacks += 1
@@ -158,7 +159,9 @@ def summarise_sessions(sessions: Sequence[LedgerSession]) -> GoodputReport:
             bad["hang"] += min(s.hang.idle_secs, stretch)
             bad["downtime"] += stretch - min(s.hang.idle_secs, stretch)
     bad["recompute"] = min(bad["recompute"], step_secs)
-    productive = step_secs - bad["recompute"]
+    # the time the others waited for a straggler is inside their steps' time
+    bad["straggler"] = min(bad["straggler"], step_secs - bad["recompute"])
+    productive = step_secs - bad["recompute"] - bad["straggler"]
     wall = 0.0
     last_time = None
     if sessions:

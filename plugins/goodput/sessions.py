@@ -27,7 +27,9 @@ from typing import Any, Sequence
 
 from loopkit import storage
 from loopkit.storage.local import read_json_object
-from loopkit.plugins.goodput.records import Hang, Record, Restart, Rollback, Start, Stop, Window
+from loopkit.plugins.goodput.records import (
+    Fault, Hang, Record, Restart, Rollback, Start, Stop, Window,
+)
 
 __all__ = ["FINISHED", "LedgerSession", "group", "is_running"]
 
@@ -53,10 +55,17 @@ class LedgerSession:
     #: `loopkit run`'s records after it, before the next session (the first is this
     #: session's exit; any later one, a child that died before its first record)
     restarts: list[Restart] = dataclasses.field(default_factory=list)
+    #: machines named at fault (replica mismatch, compute fault, straggler)
+    faults: list[Fault] = dataclasses.field(default_factory=list)
     last_time: float = 0.0
     last_step: int | None = None
     #: set by the reader that knows: the process still runs (only ever the last session)
     running: bool = False
+
+    @property
+    def straggler_secs(self) -> float:
+        """The time the other processes waited for a straggler, within the steps."""
+        return sum(f.secs for f in self.faults if f.cause == "straggler")
 
     def first_window_step(self) -> int | None:
         s = self.start
@@ -135,6 +144,8 @@ def group(records: Sequence[Record]) -> list[LedgerSession]:
             s.rollbacks.append(r)
         elif isinstance(r, Hang):
             s.hang = r
+        elif isinstance(r, Fault):
+            s.faults.append(r)
         else:
             continue
         s.last_time = max(s.last_time, r.time)

@@ -11,12 +11,13 @@ import textwrap
 from pathlib import Path
 
 
-#: the one private import a built-in makes, and why (each entry justified here)
+#: the one private import loopkit makes, and why (each entry justified here)
 PRIVATE_IMPORTS = {
-    # DESIGN ("A hang is a failure") has each process publish its step in
-    # jax.distributed's key-value store; JAX 0.10 has no public accessor for that
-    # client (orbax.checkpoint and jax.experimental read it the same way)
-    ("hang_peers.py", "jax._src"),
+    # the job's key-value store (each process publishes its step for the hang report,
+    # the peers' addresses, the logdir claim's outcome) and the coordinator's address:
+    # JAX 0.10 has no public accessor for either (orbax.checkpoint and
+    # jax.experimental read them the same way); loopkit/process/job.py alone reaches them
+    ("job.py", "jax._src"),
 }
 
 

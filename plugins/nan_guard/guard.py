@@ -1,5 +1,7 @@
-"""Built-in `nan_guard`: a bad value of the metric `Config.nan_guard` names fails the run,
-or rolls it back (`Config.on_guard="rollback"`, see `plugins/rollback.py`).
+"""The NaN and spike guard itself: `NanGuardPlugin` and its running median.
+
+A bad value of the metric `Config.nan_guard` names fails the run (a subclass rolls it
+back instead: `Config.on_guard="rollback"`, see `plugins/rollback.py`).
 
 A value is bad when it is not finite, or, with `Config.spike_threshold`, when it
 exceeds that many times the median of the last `Config.spike_window` good values
@@ -26,7 +28,7 @@ from loopkit.plugin.hookspec import hookimpl
 if TYPE_CHECKING:
     from loopkit.loop.session import Session
 
-__all__ = ["NanGuardPlugin", "RunningMedian", "plugin"]
+__all__ = ["NanGuardPlugin", "RunningMedian"]
 
 INACTIVE = "Config.nan_guard names no metric"
 
@@ -131,13 +133,3 @@ class NanGuardPlugin:
                 return SpikeError(self.metric, step, x, median, self.threshold)
             window.add(x)
         return None
-
-
-def plugin(config: Config) -> NanGuardPlugin | None:
-    if not config.nan_guard:
-        return None
-    if config.on_guard == "rollback":
-        from loopkit.plugins.rollback import RollbackGuard
-
-        return RollbackGuard(config)
-    return NanGuardPlugin(config)
