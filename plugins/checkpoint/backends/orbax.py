@@ -68,6 +68,7 @@ import numpy as np
 from loopkit import storage
 from loopkit.errors import CheckpointError
 from loopkit.storage.local import fsync_dir, fsync_tree
+from loopkit.plugins.checkpoint.backends import orbax_parts
 from loopkit.plugins.checkpoint.backends.orbax_layout import (
     HEAD_KEY as _KEY, VERSION as _VERSION, Head, objects_needed, sequence_nodes,
 )
@@ -131,10 +132,11 @@ class OrbaxBackend(ReadsOrbax):
         # of every process's files is the checkpoint (see the class docstring)
         self.own_files = bool(own_files)
         many = jax.process_count() > 1
-        if self.own_files and many:
-            # orbax's primary merges the per-process OCDBT databases in its finalize, and
-            # needs to see them all: with each process in its own directory, it cannot
-            use_ocdbt = False
+        # own_files with many processes and OCDBT: each process's part is its own database,
+        # which the chief merges once every part is uploaded (orbax's primary merges
+        # only the databases it sees, its own in its stage: `orbax_parts`); without
+        # OCDBT, one zarr3 array per leaf and each process's chunks of it
+        self._parts = self.own_files and many and bool(use_ocdbt)
         self._zarr3 = bool(use_zarr3)  # recorded in the head: how to read the arrays back
         self._name = re.compile(re.escape(basename) + r"-(0|[1-9][0-9]*)")
         self._stale = re.compile(
@@ -277,6 +279,8 @@ class OrbaxBackend(ReadsOrbax):
                 if self.own_files:
                     # this process's part, published in its own directory; not fsynced:
                     # the durable copy is the upload (`StagedBackend`), not this one
+                    if self._parts and staging.exists():
+                        orbax_parts.own_part(staging)
                     if staging.exists():
                         os.rename(staging, final)
                     else:
@@ -356,6 +360,22 @@ class OrbaxBackend(ReadsOrbax):
         if self._pending == step:
             self.wait()
         return super().restore(step, like)
+
+    def merge_parts(self, step: int, names: list[str], read: Any) -> list[str] | None:
+        """The chief's merge of every process's database of ``step`` (`orbax_parts`), in
+        this stage, once all are on the store (``names``, read by ``read``); the
+        objects it wrote, to upload. None without a database per process."""
+        if not self._parts:
+            return None
+        return orbax_parts.merge(self.path(step), names, read, self._zarr3)
+
+    def fetch_needed(self, step: int, names: list[str], get: Any, read: Any,
+                     like: Any) -> int | None:
+        """Download what a restore of ``step`` into ``like`` reads of a merged database
+        over per-process ones (`orbax_parts.fetch_needed`); None for another layout."""
+        if not orbax_parts.is_merged_layout(names):
+            return None
+        return orbax_parts.fetch_needed(self.path(step), names, get, read, like)
 
     def objects_needed(self, names: list[str], read_json: Any, like: Any) -> list[str] | None:
         """Of a checkpoint's files (``names``, relative), those a restore into ``like`` on

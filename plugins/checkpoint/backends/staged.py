@@ -248,6 +248,7 @@ class StagedBackend:
                             f"process{'es' if len(missing) > 1 else ''} "
                             f"{', '.join(map(str, missing))} did not report "
                             "its part uploaded (its own output has the error)")
+                    self._merge(step, src, fs, base)
                 marker = f"{base}/{MARKER}"  # last: commits the upload
                 _retried(lambda: fs.pipe_file(marker, b""), f"writing {marker}")
             except Exception as e:  # noqa: BLE001 - raised below, after the barrier
@@ -266,6 +267,26 @@ class StagedBackend:
             raise error  # it names what failed, and for how long it was retried
         if error is not None:
             raise CheckpointError(f"uploading checkpoint {dst} failed: {error}") from error
+
+    def _merge(self, step: int, src: Path, fs: Any, base: str) -> None:
+        """The chief's part of a commit of many processes' parts, once all are uploaded:
+        a local backend with ``merge_parts(step, names, read)`` (orbax: a database per
+        process) joins them, reading what it needs of the others' parts from the store,
+        and the objects it names are uploaded from the stage."""
+        merge = getattr(self.local, "merge_parts", None)
+        if merge is None:
+            return
+        names = [p[len(base) + 1:] for p in fs.find(base) if p.startswith(base + "/")]
+
+        def read(name: str, start: int | None, end: int | None) -> bytes:
+            return _retried(lambda: fs.cat_file(f"{base}/{name}", start=start, end=end),
+                            f"reading {base}/{name}")
+
+        made = merge(step, names, read)
+        if made:
+            _retried(lambda: fs.put([str(src / n) for n in made],
+                                    [f"{base}/{n}" for n in made]),
+                     f"uploading the merged part of {base}")
 
     def _remove_partial(self) -> None:
         """Remove directory checkpoints whose upload never finished (no marker)."""
@@ -329,6 +350,20 @@ class StagedBackend:
             raise FileNotFoundError(f"checkpoint {url} is not committed (no {MARKER})")
         names = sorted(p[len(base) + 1:] for p in fs.find(base) if p.startswith(base + "/"))
         names = [n for n in names if n != MARKER and not n.startswith(PART.format(""))]
+        if like is not None and getattr(self.local, "fetch_needed", None) is not None:
+            def get(wanted: list[str]) -> None:
+                for parent in {(dst / n).parent for n in wanted} | {dst}:
+                    parent.mkdir(parents=True, exist_ok=True)
+                fs.get([f"{base}/{n}" for n in wanted], [str(dst / n) for n in wanted])
+
+            def read(name: str, start: int | None, end: int | None) -> bytes:
+                return fs.cat_file(f"{base}/{name}", start=start, end=end)
+
+            # (None: a layout it does not read in parts)
+            fetched = self.local.fetch_needed(step, names, get, read, like)
+            if fetched is not None:
+                self.last_fetch = (fetched, len(names))
+                return
         needed = getattr(self.local, "objects_needed", None)
         wanted = None
         if like is not None and needed is not None:
