@@ -109,10 +109,11 @@ class OrbaxBackend(ReadsOrbax):
     the checkpoint's own path with its commit file (as on GCS), not under a
     temporary name only the primary renames; every process publishes its own part
     by rename, unfsynced (the upload is the durable copy). With several processes
-    the arrays are stored without OCDBT (orbax's primary merges the per-process
-    databases when it finalises, and would see only its own) and without orbax's
-    per-process array metadata (the other processes would wait for a directory the
-    primary creates in its own stage). See docs/storage.md.
+    each process's part is its own OCDBT database, which the chief merges once
+    every part is uploaded (`merge_parts`; orbax's primary would see only its own
+    in its stage; ``use_ocdbt=False``: the earlier layout, a zarr3 array per leaf),
+    without orbax's per-process array metadata (the other processes would wait for
+    a directory the primary creates in its own stage). See docs/storage.md.
     """
 
     def __init__(self, directory: str | os.PathLike[str], basename: str = "model.ckpt",
