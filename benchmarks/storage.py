@@ -1,18 +1,21 @@
 """Cost of a save to an s3:// or gs:// logdir: loopkit's staged upload against the raw upload.
 
     python benchmarks/storage.py [--mb 64] [--leaves 16] [--repeats 3]
-        [--stores s3,gs] [--processes 1,2]
+        [--stores s3,gs] [--processes 1,2,4] [--no-local] [--no-npz]
 
 Starts moto's S3 server and ``fake-gcs-server`` on 127.0.0.1 (as the tests do).
 With 1 process, for each backend, per save of the same state: how long `save`
 holds the caller (the loop) and how long until it is committed (save + wait:
 local write, upload, marker), against the raw costs of the same bytes measured
 here: a durable local write (write + fsync) and one upload of them as a single
-object (fsspec ``pipe``). With 2 processes (real `jax.distributed` processes on
-localhost, one CPU device each, every leaf sharded over both, so each process
-writes and uploads half the bytes) the orbax backend's hold and commit as the
-chief sees them (a commit waits for the slower process's part), against the same
-single raw upload of all the bytes. Medians over the repeats. Against local
+object (fsspec ``pipe``). With N processes (real `jax.distributed` processes on
+localhost, one CPU device each, every leaf sharded over all, so each process
+writes and uploads 1/N of the bytes; 1 process runs the same way) the orbax
+backend's hold and commit as the chief sees them (a commit waits for the slower
+process's part), against the same single raw upload of all the bytes; then the
+restore of the last save by a fresh backend on every process (the slowest
+process's time, against one raw download of all the bytes), with the objects
+each process downloaded. Medians over the repeats. Against local
 servers the upload's bandwidth is theirs (moto is a Python server on the same
 cores), not a real store's.
 """
@@ -126,13 +129,31 @@ def timed_saves(backend, state, repeats: int) -> tuple[float, float]:
     return statistics.median(holds), statistics.median(commits)
 
 
+def timed_restores(make, like, step: int, repeats: int) -> tuple[float, tuple | None]:
+    """Median time of `restore(step, like)` by a fresh backend (nothing downloaded yet),
+    and what the last one downloaded: (objects, objects in the checkpoint)."""
+    import jax
+
+    times, fetched = [], None
+    for _ in range(repeats):
+        backend = make()
+        t0 = time.perf_counter()
+        state, _ = backend.restore(step, like)
+        jax.block_until_ready(state)
+        times.append(time.perf_counter() - t0)
+        fetched = getattr(backend, "last_fetch", None)
+        backend.close()
+    return statistics.median(times), fetched
+
+
 def worker(args) -> None:
-    """One of the 2 processes: orbax saves to the URL, staged; prints its medians as JSON."""
+    """One of the processes: orbax saves to the URL, staged, then restores; prints its
+    medians as JSON."""
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(f"127.0.0.1:{args.port}", 2, args.worker,
+    jax.distributed.initialize(f"127.0.0.1:{args.port}", args.nprocs, args.worker,
                                initialization_timeout=60)
     from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -141,29 +162,38 @@ def worker(args) -> None:
 
     mesh = jax.make_mesh((jax.device_count(),), ("d",))
     state = make_state(args.mb, args.leaves, NamedSharding(mesh, P("d")))
-    backend = StagedBackend(args.url, "model.ckpt",
-                            lambda p: OrbaxBackend(p, "model.ckpt", own_files=True))
-    hold, commit = timed_saves(backend, state, args.repeats)
-    print(json.dumps({"process": args.worker, "hold": hold, "commit": commit}), flush=True)
+
+    def make():
+        return StagedBackend(args.url, "model.ckpt",
+                             lambda p: OrbaxBackend(p, "model.ckpt", own_files=True))
+
+    hold, commit = timed_saves(make(), state, args.repeats)
+    restore, fetched = timed_restores(make, state, args.repeats - 1, args.repeats)
+    print(json.dumps({"process": args.worker, "hold": hold, "commit": commit,
+                      "restore": restore, "fetched": fetched}), flush=True)
     jax.distributed.shutdown()
 
 
-def two_processes(args, url: str, env: dict) -> tuple[float, float]:
+def processes(args, n: int, url: str, env: dict) -> dict:
+    """`n` real jax.distributed processes saving and restoring; the chief's medians, with
+    the slowest process's restore."""
     port = _port()
     procs = [subprocess.Popen(
         [sys.executable, __file__, "--worker", str(i), "--port", str(port), "--url", url,
+         "--nprocs", str(n),
          "--mb", str(args.mb), "--leaves", str(args.leaves), "--repeats", str(args.repeats)],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
         env=dict(os.environ, **env, JAX_PLATFORMS="cpu",
                  XLA_FLAGS="--xla_force_host_platform_device_count=1"))
-        for i in range(2)]
+        for i in range(n)]
     results = []
     for p in procs:
-        out, _ = p.communicate(timeout=600)
+        out, _ = p.communicate(timeout=1800)
         assert p.returncode == 0, f"worker failed ({p.returncode})"
         results.append(json.loads(out.strip().splitlines()[-1]))
     chief = next(r for r in results if r["process"] == 0)
-    return chief["hold"], chief["commit"]
+    return dict(chief, restore=max(r["restore"] for r in results),
+                fetched=[r["fetched"] for r in results])
 
 
 def main() -> None:
@@ -173,9 +203,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--stores", default="s3,gs")
     ap.add_argument("--processes", default="1,2")
+    ap.add_argument("--no-local", dest="local", action="store_false",
+                    help="leave out the local-disk rows")
+    ap.add_argument("--no-npz", dest="npz", action="store_false",
+                    help="leave out the npz rows")
     ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--url", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--nprocs", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker is not None:
         return worker(args)
@@ -195,7 +230,7 @@ def main() -> None:
     state = make_state(args.mb, args.leaves)
     raw = b"".join(np.asarray(v).tobytes() for v in state.values())
     print(f"state: {args.leaves} leaves, {len(raw) / 2**20:.0f} MiB; repeats {args.repeats}")
-    rows = []
+    rows = []  # (backend, where, processes, hold, commit, restore, fetched, raw w, raw r, basis)
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
 
@@ -209,11 +244,12 @@ def main() -> None:
 
         local_w = statistics.median(raw_local() for _ in range(args.repeats))
         print(f"raw durable local write {local_w * 1e3:.0f} ms")
-        if 1 in counts:
+        if 1 in counts and args.local:
             for name, make in (("npz", NpzBackend), ("orbax", OrbaxBackend)):
                 hold, commit = timed_saves(make(tmp / f"{name}-local", "model.ckpt"), state,
                                            args.repeats)
-                rows.append((name, "local", 1, hold, commit, local_w, "durable write"))
+                rows.append((name, "local", 1, hold, commit, None, None, local_w, None,
+                             "durable write"))
         for store in args.stores.split(","):
             env, bucket, stop = (start_s3() if store == "s3"
                                  else start_gcs(tmp / "gcs.log"))
@@ -225,28 +261,43 @@ def main() -> None:
                     fs.pipe_file(f"{bucket}/raw", raw)
                     return time.perf_counter() - t0
 
+                def raw_download() -> float:
+                    t0 = time.perf_counter()
+                    fs.cat_file(f"{bucket}/raw")
+                    return time.perf_counter() - t0
+
                 upload = statistics.median(raw_upload() for _ in range(args.repeats))
-                print(f"{store}: raw upload (one object) {upload * 1e3:.0f} ms")
-                if 1 in counts:
-                    for name, make in (("npz", NpzBackend), ("orbax", OrbaxBackend)):
-                        extra = {"own_files": True} if name == "orbax" else {}
-                        backend = StagedBackend(
-                            f"{store}://{bucket}/{name}-1", "model.ckpt",
-                            lambda p, make=make, extra=extra: make(p, "model.ckpt", **extra))
-                        hold, commit = timed_saves(backend, state, args.repeats)
-                        rows.append((name, store, 1, hold, commit, upload, "upload"))
-                if 2 in counts:
-                    hold, commit = two_processes(args, f"{store}://{bucket}/orbax-2", env)
-                    rows.append(("orbax", store, 2, hold, commit, upload, "upload"))
+                download = statistics.median(raw_download() for _ in range(args.repeats))
+                print(f"{store}: raw upload (one object) {upload * 1e3:.0f} ms, "
+                      f"download {download * 1e3:.0f} ms", flush=True)
+                if 1 in counts and args.npz:
+                    url = f"{store}://{bucket}/npz-1"
+                    hold, commit = timed_saves(StagedBackend(
+                        url, "model.ckpt", lambda p: NpzBackend(p, "model.ckpt")), state,
+                        args.repeats)
+                    rows.append(("npz", store, 1, hold, commit, None, None, upload, download,
+                                 "upload"))
+                for n in counts:
+                    r = processes(args, n, f"{store}://{bucket}/orbax-{n}", env)
+                    rows.append(("orbax", store, n, r["hold"], r["commit"], r["restore"],
+                                 r["fetched"], upload, download, "upload"))
+                    print(f"  {n} process(es): commit {r['commit'] * 1e3:.0f} ms, restore "
+                          f"{r['restore'] * 1e3:.0f} ms, fetched {r['fetched']}", flush=True)
             finally:
                 stop()
                 for k in env:
                     os.environ.pop(k, None)
-    print(f"{'backend':8} {'where':6} {'procs':>5} {'save holds':>11} {'commit':>9}  "
-          "commit / raw")
-    for name, where, n, hold, commit, base, basis in rows:
-        print(f"{name:8} {where:6} {n:5d} {hold * 1e3:9.0f} ms {commit * 1e3:7.0f} ms  "
-              f"{commit / base:.2f}x raw {basis} ({base * 1e3:.0f} ms)")
+    print(f"{'backend':8} {'where':6} {'procs':>5} {'save holds':>11} {'commit':>9} "
+          f"{'restore':>9}  commit / raw; restore / raw download")
+    for name, where, n, hold, commit, restore, fetched, base, down, basis in rows:
+        line = (f"{name:8} {where:6} {n:5d} {hold * 1e3:9.0f} ms {commit * 1e3:7.0f} ms "
+                + (f"{restore * 1e3:7.0f} ms" if restore is not None else " " * 10)
+                + f"  {commit / base:.2f}x raw {basis} ({base * 1e3:.0f} ms)")
+        if restore is not None:
+            line += f"; {restore / down:.2f}x raw download ({down * 1e3:.0f} ms)"
+        if fetched:
+            line += f"; objects fetched {fetched}"
+        print(line)
     sys.stdout.flush()
 
 

@@ -69,6 +69,7 @@ import numpy as np
 from loopkit import storage
 from loopkit.errors import CheckpointError
 from loopkit.storage.local import fsync_dir, fsync_tree
+from loopkit.plugins.checkpoint.backends import orbax_parts
 from loopkit.plugins.checkpoint.backends.orbax_layout import (
     HEAD_KEY as _KEY, VERSION as _VERSION, Head, objects_needed, sequence_nodes,
 )
@@ -109,10 +110,11 @@ class OrbaxBackend(ReadsOrbax):
     the checkpoint's own path with its commit file (as on GCS), not under a
     temporary name only the primary renames; every process publishes its own part
     by rename, unfsynced (the upload is the durable copy). With several processes
-    the arrays are stored without OCDBT (orbax's primary merges the per-process
-    databases when it finalises, and would see only its own) and without orbax's
-    per-process array metadata (the other processes would wait for a directory the
-    primary creates in its own stage). See docs/storage.md.
+    each process's part is its own OCDBT database, which the chief merges once
+    every part is uploaded (`merge_parts`; orbax's primary would see only its own
+    in its stage; ``use_ocdbt=False``: the earlier layout, a zarr3 array per leaf),
+    without orbax's per-process array metadata (the other processes would wait for
+    a directory the primary creates in its own stage). See docs/storage.md.
     """
 
     def __init__(self, directory: str | os.PathLike[str], basename: str = "model.ckpt",
@@ -126,23 +128,22 @@ class OrbaxBackend(ReadsOrbax):
         self.basename = basename
         self.config = config
         # own_files: `directory` is this process's alone (a stage `StagedBackend` uploads
-        # from): each process writes its own part of each checkpoint there, and the union
-        # of every process's files is the checkpoint (see the class docstring)
+        # from): each writes its own part there; the union of every process's is the checkpoint
         self.own_files = bool(own_files)
         many = jax.process_count() > 1
-        if self.own_files and many:
-            # orbax's primary merges the per-process OCDBT databases in its finalize, and
-            # needs to see them all: with each process in its own directory, it cannot
-            use_ocdbt = False
+        # own_files with many processes and OCDBT: each process's part is its own database,
+        # which the chief merges once every part is uploaded (orbax's primary merges
+        # only the databases it sees, its own in its stage: `orbax_parts`); without
+        # OCDBT, one zarr3 array per leaf and each process's chunks of it
+        self._parts = self.own_files and many and bool(use_ocdbt)
         self._zarr3 = bool(use_zarr3)  # recorded in the head: how to read the arrays back
         self._name = re.compile(re.escape(basename) + r"-(0|[1-9][0-9]*)")
         self._stale = re.compile(
             r"\.?" + re.escape(basename) + r"-[0-9]+(" + re.escape(_TMP_SUFFIX) + r".*|"
             + re.escape(_STAGING) + r".*|\.replaced)")
         self._saves = 0  # names each save's publish barrier (the same on every process)
-        # process_local: this process's own checkpoints in a directory of its own (the
-        # local tier of a job of many processes): every process is the primary of its own
-        # save, writes every shard it holds, and waits for no other.
+        # process_local: this process's own checkpoints in a directory of its own (a local
+        # tier of many processes): each the primary of its own save, waiting for no other
         self._local = process_local and many
         self._processes = {jax.process_index()} if self._local else set(range(jax.process_count()))
         self._options = dict(use_ocdbt=use_ocdbt, use_zarr3=use_zarr3,
@@ -151,7 +152,7 @@ class OrbaxBackend(ReadsOrbax):
                              restore_concurrent_gb=restore_concurrent_gb)
         self._thread: threading.Thread | None = None
         self._pending: int | None = None  # the step of the save in flight
-        self._error: BaseException | None = None
+        self._error: BaseException | None = None  # the save thread's, raised at `wait`
         remove_stale(self.directory, self._stale)
 
     @functools.cached_property
@@ -291,6 +292,8 @@ class OrbaxBackend(ReadsOrbax):
                 if self.own_files:
                     # this process's part, published in its own directory; not fsynced:
                     # the durable copy is the upload (`StagedBackend`), not this one
+                    if self._parts and staging.exists():
+                        orbax_parts.own_part(staging)
                     if staging.exists():
                         os.rename(staging, final)
                     else:
@@ -372,6 +375,22 @@ class OrbaxBackend(ReadsOrbax):
         if self._pending == step:
             self.wait()
         return super().restore(step, like)
+
+    def merge_parts(self, step: int, names: list[str], read: Any) -> list[str] | None:
+        """The chief's merge of every process's database of ``step`` (`orbax_parts`), in
+        this stage, once all are on the store (``names``, read by ``read``); the
+        objects it wrote, to upload. None without a database per process."""
+        if not self._parts:
+            return None
+        return orbax_parts.merge(self.path(step), names, read, self._zarr3)
+
+    def fetch_needed(self, step: int, names: list[str], get: Any, read: Any,
+                     like: Any) -> int | None:
+        """Download what a restore of ``step`` into ``like`` reads of a merged database
+        over per-process ones (`orbax_parts.fetch_needed`); None for another layout."""
+        if not orbax_parts.is_merged_layout(names):
+            return None
+        return orbax_parts.fetch_needed(self.path(step), names, get, read, like)
 
     def objects_needed(self, names: list[str], read_json: Any, like: Any) -> list[str] | None:
         """Of a checkpoint's files (``names``, relative), those a restore into ``like`` on

@@ -9,6 +9,7 @@ tensorstore spec for one array into the spec and the checkpoint's kvstore.
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,9 @@ def is_orbax_tree(path: Path) -> bool:
     """Whether ``path`` is an orbax PyTree checkpoint directory (it has orbax's ``_METADATA``)."""
     return path.is_dir() and (path / "_METADATA").is_file()
 
+
+#: a zarr3 chunk's name: its array's name, ``/c``, its grid position
+_CHUNK = re.compile(r"(.*)/c(?:/[0-9]+)*")
 
 _LEAF_TYPES = (np.ndarray, np.generic, bool, int, float, complex, str, bytes)
 
@@ -116,6 +120,10 @@ def objects_needed(names: list[str], read_json: Any, like: Any) -> list[str] | N
     if not shards:
         return None
     present = set(names)
+    chunks: dict[str, list[str]] = {}  # a leaf's stored name -> its chunks' names
+    for n in names:
+        if (m := _CHUNK.fullmatch(n)) is not None:
+            chunks.setdefault(m.group(1), []).append(n)
     dropped: set[str] = set()
     for name, (shape, indices) in shards.items():
         meta_name = f"{name}/zarr.json"
@@ -139,7 +147,5 @@ def objects_needed(names: list[str], read_json: Any, like: Any) -> list[str] | N
                 ranges.append(range(start // step, -(-stop // step)) if stop > start else range(0))
             for coord in itertools.product(*ranges):
                 kept.add("/".join((name, "c", *map(str, coord))))
-        prefix = f"{name}/c"
-        dropped.update(n for n in names if (n == prefix or n.startswith(prefix + "/"))
-                       and n not in kept)
+        dropped.update(n for n in chunks.get(name, ()) if n not in kept)
     return [n for n in names if n not in dropped]

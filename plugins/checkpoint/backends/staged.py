@@ -13,24 +13,22 @@ is removed by the next run's first save. The staged copy is removed once
 uploaded. Reading downloads the checkpoint into the staging directory and reads
 it there. See docs/storage.md.
 
-Many processes. Each process stages in its own directory on its own disk and
-uploads only the files it wrote there; the local backend writes each process's
-part of a directory checkpoint so that their union is the checkpoint (the orbax
-backend's ``own_files``). The chief first removes what a crash left, then every
-process uploads and reports its part written (an object `PART` of its own), then
-a barrier (through the jax.distributed client, as the orbax backend's: this runs
-in the commit thread, beside the training step's collectives) waits for every
-process, and only then does the chief write the marker, if every report is
-there; a last barrier keeps every process from going on before it is decided. A
-process whose upload failed takes part in the barriers all the same, so no
-marker is written and every process fails the save, without waiting. (A failure
-inside orbax's own write holds the others at orbax's barrier until its timeout
-first; a local save that raises at once, in the main thread, ends that
-process's run, and the others fail at their next collective.) A file
-checkpoint is the chief's copy alone (npz holds replicas, the same everywhere).
-A restore downloads on each process what it reads: the objects the local
-backend's ``objects_needed`` names for ``like`` (orbax: a leaf sharded over
-processes, only the chunks of this process's shards), else the whole checkpoint.
+Many processes. Each process stages in its own directory and uploads only the
+files it wrote there (the orbax backend's ``own_files``: a database per process).
+The chief first removes what a crash left; every process uploads and reports its
+part written (an object `PART` of its own); a barrier (through the jax.distributed
+client: this runs in the commit thread, beside the step's collectives) waits for
+every process; then the chief, if every report is there, lets the local backend
+join the parts (``merge_parts``: orbax merges the databases) and writes the
+marker; a last barrier keeps every process from going on before it is decided. A
+process whose upload failed passes the barriers all the same, so no marker is
+written and every process fails the save at once. (A failure inside orbax's own
+write holds the others at orbax's barrier until its timeout first; a local save
+that raises in the main thread ends that process's run, and the others fail at
+their next collective.) A file checkpoint is the chief's copy alone (npz holds
+replicas). A restore downloads on each process what it reads: what the local
+backend's ``fetch_needed`` or ``objects_needed`` chooses for ``like`` (orbax: the
+spans of the values its process reads), else the whole checkpoint.
 """
 
 from __future__ import annotations
@@ -74,11 +72,8 @@ def local_or_staged(directory: Path | str, basename: str, make: Callable[[Path |
     """``make(directory)`` for a local directory; under a URL, `StagedBackend` over ``make``.
 
     What a plugin's `checkpoint_backend` hook returns for a backend that writes local
-    files, so that it works under ``s3://`` and ``gs://`` logdirs too. With many
-    processes each process's ``make`` gets a directory of its own: a directory
-    checkpoint is the union of what every process wrote there (each writes its own
-    files, none another's), a file checkpoint is the chief's.
-    """
+    files, so that it works under ``s3://`` and ``gs://`` too. With many processes each
+    process's ``make`` gets a directory of its own (see the module)."""
     if storage.is_url(directory):
         return StagedBackend(str(directory), basename, make)
     return make(directory)
@@ -96,13 +91,11 @@ def refuse_url(directory: Any, who: str) -> None:
 def barrier(name: str, processes: set[int], timeout: int | None = None) -> None:
     """Wait until every one of ``processes`` reaches ``name`` (none with one process).
 
-    Through the jax.distributed client, not orbax's default device collectives: the
-    backends' barriers run in their save or commit thread, where a device collective
-    would interleave with the training step's own, in a different order on each
-    process. A process whose upload failed arrives all the same; one that died never
-    does: the others raise when the barrier times out (``timeout`` seconds; None:
-    orbax's default), unless jax.distributed's failure detection ends them first.
-    """
+    Through the jax.distributed client, not orbax's default device collectives, which
+    in a save or commit thread would interleave with the step's own in a different
+    order on each process. A process that died never arrives: the others raise after
+    ``timeout`` seconds (None: orbax's default), or when jax.distributed's failure
+    detection ends them first."""
     if len(processes) < 2:
         return
     import orbax.checkpoint as ocp
@@ -113,8 +106,7 @@ def barrier(name: str, processes: set[int], timeout: int | None = None) -> None:
 
 
 def _stage_root() -> Path:
-    """Where stages are made: the system's temporary directory (``TMPDIR``)."""
-    return Path(tempfile.gettempdir())
+    return Path(tempfile.gettempdir())  # where stages are made (``TMPDIR``)
 
 
 def _retried(operation: Callable[[], Any], what: str) -> Any:
@@ -194,22 +186,18 @@ class StagedBackend:
         """Upload ``step``: every process its own files, then the chief the marker.
 
         A directory checkpoint: the chief clears what a crash left, every process
-        uploads the files it wrote (the union is the checkpoint) and then reports its
-        part written with an object of its own (`PART`, with many processes); once
-        all have passed a barrier, the chief writes the marker, which commits it, if
-        every report is there. A process whose upload failed still takes part in the
-        barriers (none waits for it) and reports nothing: no marker is written, and
-        every process raises. So does a process whose local save ``failed`` (raised
-        here, chained). A file checkpoint is one object, the chief's copy (every
-        process wrote the same replicas).
+        uploads its files and reports its part written (`PART`, with many processes);
+        past a barrier, the chief joins the parts (`_merge`) and writes the marker,
+        which commits it, if every report is there. A process whose upload failed
+        still passes the barriers and reports nothing: no marker is written, and every
+        process raises; so does a process whose local save ``failed`` (chained). A
+        file checkpoint is one object, the chief's copy (the same replicas everywhere).
         """
         src, dst = Path(self.local.path(step)), self.path(step)
-        fs, base = storage.filesystem(dst)
+        (fs, base), directory = storage.filesystem(dst), src.is_dir()
         self._uploads += 1
         phase = f"loopkit-upload-{self.basename}-{step}-{self._uploads}"
-        many = len(self._processes) > 1
-        error: BaseException | None = failed
-        directory = src.is_dir()
+        many, error = len(self._processes) > 1, failed
         try:
             if error is None and directory:  # (else nothing of this process's to upload)
                 # a commit file the local backend wrote (orbax's, with `own_files`) is not
@@ -248,6 +236,7 @@ class StagedBackend:
                             f"process{'es' if len(missing) > 1 else ''} "
                             f"{', '.join(map(str, missing))} did not report "
                             "its part uploaded (its own output has the error)")
+                    self._merge(step, src, fs, base)
                 marker = f"{base}/{MARKER}"  # last: commits the upload
                 _retried(lambda: fs.pipe_file(marker, b""), f"writing {marker}")
             except Exception as e:  # noqa: BLE001 - raised below, after the barrier
@@ -266,6 +255,20 @@ class StagedBackend:
             raise error  # it names what failed, and for how long it was retried
         if error is not None:
             raise CheckpointError(f"uploading checkpoint {dst} failed: {error}") from error
+
+    def _merge(self, step: int, src: Path, fs: Any, base: str) -> None:
+        """The chief's join of every process's part once all are uploaded, by a local
+        backend with ``merge_parts(step, names, read)`` (orbax: the databases merged),
+        which reads what it needs of the others' parts from the store; what it wrote
+        is uploaded from the stage."""
+        if (merge := getattr(self.local, "merge_parts", None)) is None:
+            return
+        names = [p[len(base) + 1:] for p in fs.find(base) if p.startswith(base + "/")]
+        made = merge(step, names, lambda n, start, end: _retried(
+            lambda: fs.cat_file(f"{base}/{n}", start=start, end=end), f"reading {base}/{n}"))
+        if made:
+            _retried(lambda: fs.put([str(src / n) for n in made], [f"{base}/{n}" for n in made]),
+                     f"uploading the merged part of {base}")
 
     def _remove_partial(self) -> None:
         """Remove directory checkpoints whose upload never finished (no marker)."""
@@ -301,8 +304,7 @@ class StagedBackend:
         if self._pending == step:
             self.wait()
         url = self.path(step)
-        marker = str(storage.join(url, MARKER))
-        if storage.exists(marker):
+        if storage.exists(marker := str(storage.join(url, MARKER))):
             storage.remove(marker)
         storage.remove(url)
         self._discard_local(step)
@@ -312,10 +314,10 @@ class StagedBackend:
     def _fetch(self, step: int, like: Any = None) -> None:
         """Download ``step`` into the stage, where the local backend reads it.
 
-        With ``like``, a local backend that has ``objects_needed(names, read_json, like)``
-        names the objects this process reads (its own shards of leaves sharded over
-        processes): only those are downloaded. Without, the whole checkpoint.
-        """
+        With ``like``, a local backend's ``fetch_needed(step, names, get, read, like)``
+        downloads what this process reads (orbax: spans of the per-process files), or
+        its ``objects_needed(names, read_json, like)`` names the objects it reads (the
+        per-leaf layout: its shards' chunks). Without, the whole checkpoint."""
         if step in self._fetched:
             return
         url, dst = self.path(step), Path(self.local.path(step))
@@ -329,15 +331,25 @@ class StagedBackend:
             raise FileNotFoundError(f"checkpoint {url} is not committed (no {MARKER})")
         names = sorted(p[len(base) + 1:] for p in fs.find(base) if p.startswith(base + "/"))
         names = [n for n in names if n != MARKER and not n.startswith(PART.format(""))]
+        def get(wanted: list[str]) -> None:
+            for parent in {(dst / n).parent for n in wanted} | {dst}:
+                parent.mkdir(parents=True, exist_ok=True)
+            fs.get([f"{base}/{n}" for n in wanted], [str(dst / n) for n in wanted])
+
+        if like is not None and getattr(self.local, "fetch_needed", None) is not None:
+            fetched = self.local.fetch_needed(  # None: a layout it does not read in parts
+                step, names, get, lambda n, start, end: fs.cat_file(
+                    f"{base}/{n}", start=start, end=end), like)
+            if fetched is not None:
+                self.last_fetch = (fetched, len(names))
+                return
         needed = getattr(self.local, "objects_needed", None)
         wanted = None
         if like is not None and needed is not None:
             wanted = needed(names, lambda n: json.loads(fs.cat_file(f"{base}/{n}")), like)
         whole = wanted is None or len(wanted) == len(names)
         wanted = names if wanted is None else wanted
-        for parent in {(dst / n).parent for n in wanted} | {dst}:
-            parent.mkdir(parents=True, exist_ok=True)
-        fs.get([f"{base}/{n}" for n in wanted], [str(dst / n) for n in wanted])
+        get(wanted)
         self.last_fetch = (len(wanted), len(names))
         if whole:  # a part is read once, by the restore it was chosen for
             self._fetched.add(step)
