@@ -17,12 +17,13 @@ import os
 import random
 import socket
 import threading
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
 
 from loopkit.plugin.hookspec import hookimpl
 
 __all__ = ["FakeClock", "HookCall", "HookRecorder", "Tick", "assert_same_state",
-           "free_port", "kill_after_checkpoint", "read_events", "scalars"]
+           "free_port", "kill_after_checkpoint", "read_events", "run_processes", "scalars"]
 
 
 @dataclasses.dataclass
@@ -249,3 +250,35 @@ def free_port(band: int = 1000) -> int:
                     continue
             return port
     raise RuntimeError(f"no free port left in {first}..{first + band - 1}")
+
+
+def run_processes(command: Callable[[int], Sequence[str]], out_dir: str | os.PathLike[str],
+                  processes: int = 2, *, env: Mapping[str, str] | None = None,
+                  timeout: float = 240.0, name: str = "p") -> list[tuple[int, str]]:
+    """Run ``command(i)`` for each process ``i`` (a `jax.distributed` job on
+    127.0.0.1, say, with a port from `free_port`), wait for all, and return each one's
+    ``(returncode, output)``; the output (stdout and stderr) is also kept in
+    ``out_dir/<name><i>.out``. A process still running after `timeout` seconds is
+    killed, as is every other once one wait times out, so a hung collective never
+    hangs the test.
+    """
+    import subprocess
+
+    outs = [open(Path(out_dir) / f"{name}{i}.out", "w+") for i in range(processes)]
+    procs = [subprocess.Popen(list(command(i)), env=dict(env) if env is not None else None,
+                              stdout=outs[i], stderr=subprocess.STDOUT, text=True)
+             for i in range(processes)]
+    try:
+        for p in procs:
+            p.wait(timeout=timeout)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    texts = []
+    for f in outs:
+        f.seek(0)
+        texts.append(f.read())
+        f.close()
+    return [(p.returncode, t) for p, t in zip(procs, texts)]

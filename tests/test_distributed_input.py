@@ -11,11 +11,10 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
-from loopkit.testing import free_port
+from loopkit.testing import free_port, run_processes
 
 WORKER = Path(__file__).parent / "workers" / "position_worker.py"
 TIMEOUT = 150  # a deadlock fails the test instead of hanging CI
@@ -25,22 +24,12 @@ def job(tmp_path: Path, name: str, *args: str) -> list[str]:
     """Run both processes of one job to the end; their outputs."""
     port = free_port()
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    outs = [open(tmp_path / f"{name}.p{i}.out", "w+") for i in range(2)]
     # files, not pipes: a chatty process must never block on a full pipe
-    procs = [subprocess.Popen([sys.executable, str(WORKER), *args[:1], str(i), str(port),
-                               *args[1:]], stdout=outs[i], stderr=subprocess.STDOUT,
-                              text=True, env=env) for i in range(2)]
-    try:
-        for p in procs:
-            p.wait(timeout=TIMEOUT)
-    finally:
-        for p in procs:
-            p.kill()
-    texts = []
-    for f in outs:
-        f.seek(0)
-        texts.append(f.read())
-    assert [p.returncode for p in procs] == [0, 0], [t[-3000:] for t in texts]
+    ran = run_processes(lambda i: [sys.executable, str(WORKER), *args[:1], str(i), str(port),
+                                   *args[1:]], tmp_path, env=env, timeout=TIMEOUT,
+                        name=f"{name}.p")
+    texts = [t for _, t in ran]
+    assert [rc for rc, _ in ran] == [0, 0], [t[-3000:] for t in texts]
     return texts
 
 

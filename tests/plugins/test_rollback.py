@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import loopkit
-from loopkit.testing import free_port
+from loopkit.testing import free_port, run_processes
 
 N = 30  # steps of every run here
 P = 14  # the poisoned batch (0-based): step 15 consumes it
@@ -317,22 +317,11 @@ def test_two_processes_roll_back_together(tmp_path, tiers):
     script = tmp_path / "two.py"
     script.write_text(TWO.format(tests=os.path.dirname(__file__)))
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    outs = [open(tmp_path / f"p{i}.out", "w+") for i in range(2)]
     local = [str(tmp_path / "local")] if tiers != "durable" else []
-    procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path / "run"), str(i),
-                               str(port), *local], env=env, stdout=outs[i], stderr=subprocess.STDOUT,
-                              text=True) for i in range(2)]
-    try:
-        for p in procs:
-            p.wait(timeout=240)
-    finally:
-        for p in procs:
-            p.kill()
-    texts = []
-    for f in outs:
-        f.seek(0)
-        texts.append(f.read())
-    assert [p.returncode for p in procs] == [0, 0], texts
+    ran = run_processes(lambda i: [sys.executable, str(script), str(tmp_path / "run"), str(i),
+                                   str(port), *local], tmp_path, env=env, timeout=240)
+    texts = [t for _, t in ran]
+    assert [rc for rc, _ in ran] == [0, 0], texts
     rolls = [re.findall(r"^ROLLBACK (\d+) (\d+) (\d+) (\d+)$", t, re.M) for t in texts]
     assert rolls[0] == rolls[1] and len(rolls[0]) == 1, texts  # together, once
     bad, restored, first, end = map(int, rolls[0][0])
@@ -446,21 +435,10 @@ def test_a_bad_value_on_one_of_two_processes_before_a_durable_save_rolls_both_ba
     port = free_port()
     worker = os.path.join(os.path.dirname(__file__), "..", "workers", "rollback_worker.py")
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    outs = [open(tmp_path / f"p{i}.out", "w+") for i in range(2)]
-    procs = [subprocess.Popen([sys.executable, worker, str(tmp_path), str(i), str(port),
-                               json.dumps(cases)], env=env, stdout=outs[i],
-                              stderr=subprocess.STDOUT, text=True) for i in range(2)]
-    try:
-        for p in procs:
-            p.wait(timeout=200)
-    finally:
-        for p in procs:
-            p.kill()
-    texts = []
-    for f in outs:
-        f.seek(0)
-        texts.append(f.read())
-    assert [p.returncode for p in procs] == [0, 0], [t[-3000:] for t in texts]
+    ran = run_processes(lambda i: [sys.executable, worker, str(tmp_path), str(i), str(port),
+                                   json.dumps(cases)], tmp_path, env=env, timeout=200)
+    texts = [t for _, t in ran]
+    assert [rc for rc, _ in ran] == [0, 0], [t[-3000:] for t in texts]
     clean = {}
     for k, (_, bad, save_steps, _) in enumerate(cases):
         rolls = [re.findall(rf"^ROLLBACK {k} (\d+) (\d+) (\d+) (\d+)$", t, re.M) for t in texts]

@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import re
-import subprocess
 import sys
 import textwrap
 import threading
@@ -30,7 +29,7 @@ from fsspec.implementations.local import LocalFileSystem
 import loopkit
 from loopkit import storage
 from loopkit.storage.retry import RETRY_SECS_ENV, is_store_error
-from loopkit.testing import free_port
+from loopkit.testing import free_port, run_processes
 
 HERE = Path(__file__).parent
 
@@ -157,7 +156,7 @@ def test_a_store_that_keeps_failing_fails_the_run_and_never_trains_from_an_older
         run(flaky, 8, [seen])
     message = str(info.value)
     assert "model.ckpt-6" in message and "ConnectionError: injected" in message, message
-    assert f"kept failing for 1 s" in message and RETRY_SECS_ENV in message
+    assert "kept failing for 1 s" in message and RETRY_SECS_ENV in message
     assert isinstance(info.value.__cause__, ConnectionError)
     assert time.monotonic() - started < 60
     # the older checkpoint is there and readable, and was not restored: nothing trained
@@ -387,24 +386,10 @@ def _two(tmp_path, url, fails, max_steps, target="model.ckpt-"):
     script.write_text(TWO.replace("HERE", repr(str(HERE))))
     port = free_port()
     env = {**os.environ, "JAX_PLATFORMS": "cpu", RETRY_SECS_ENV: "2"}
-    outs = [open(tmp_path / f"p{i}-{port}.out", "w+") for i in range(2)]
-    procs = [subprocess.Popen([sys.executable, str(script), url, str(i), str(port), fails,
-                               str(max_steps), target], env=env, stdout=outs[i],
-                              stderr=subprocess.STDOUT, text=True) for i in range(2)]
-    try:
-        for p in procs:
-            p.wait(timeout=200)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    texts = []
-    for f in outs:
-        f.seek(0)
-        texts.append(f.read())
-        f.close()
-    return [p.returncode for p in procs], texts
+    ran = run_processes(lambda i: [sys.executable, str(script), url, str(i), str(port), fails,
+                                   str(max_steps), target], tmp_path, env=env, timeout=200,
+                        name=f"{port}-p")
+    return [rc for rc, _ in ran], [t for _, t in ran]
 
 
 @pytest.mark.timeout(420)
