@@ -2,11 +2,12 @@
 
 Drawn by hand in inline SVG (no library, nothing fetched when the page opens): each
 session as a bar on a wall-clock axis, patterned and labelled by how it ended; the
-downtime between sessions and the runner's restarts; rollbacks; durable and local saves
+downtime between sessions and the runner's restarts; rollbacks; the machines named at
+fault (replica mismatch, compute fault, straggler) as markers; durable and local saves
 as ticks; the step reached and the goodput so far over time; badput by cause; the
 figures of ``loopkit goodput``; and a table of the sessions, a hang's report one click
-away. Patterns and labels, not colour alone, tell the endings apart (a greyscale print
-keeps them).
+away. Patterns, shapes and labels, not colour alone, tell the endings and the faults apart
+(a greyscale print keeps them).
 """
 
 from __future__ import annotations
@@ -19,9 +20,13 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from loopkit import storage
+from loopkit.plugins.goodput.output import FAULT_WORDS, count_faults, tier_words
+from loopkit.plugins.goodput.records import Fault
 from loopkit.plugins.goodput.report import CAUSES, _hms, format_report
 from loopkit.plugins.goodput.timeline import Timeline, build
-from loopkit.plugins.goodput.svg import Axis, chart, legend_swatch, nice_step, pattern_defs
+from loopkit.plugins.goodput.svg import (
+    Axis, chart, fault_marker, legend_swatch, nice_step, pattern_defs,
+)
 
 __all__ = ["render", "write_report"]
 
@@ -35,6 +40,9 @@ ENDINGS = {
     "refused": ("url(#p-refused)", "refused (logdir taken)"),
     "running": ("url(#p-running)", "running"),
 }
+#: each fault cause's words in the legend
+FAULT_LEGEND = {"sdc": "replica mismatch (sdc)", "compute": "compute fault",
+                "straggler": "straggler"}
 STYLE = """
 body{font:14px/1.4 system-ui,sans-serif;margin:24px;color:#111;max-width:1040px}
 h1{font-size:22px;margin:0 0 4px} h2{font-size:16px;margin:24px 0 6px}
@@ -54,6 +62,8 @@ window.addEventListener("error", function (e) {
 SCRIPT = """
 document.body.setAttribute("data-sessions", String(document.querySelectorAll(
   "#timeline g.session").length));
+document.body.setAttribute("data-faults", String(document.querySelectorAll(
+  "#timeline g.fault").length));
 """
 
 
@@ -85,19 +95,22 @@ def _figures(tl: Timeline) -> str:
 
 
 def _timeline(tl: Timeline, axis: Axis) -> str:
-    """The sessions lane, restarts, downtime, rollbacks and the saves' ticks."""
-    top, bar_h, height = 40, 34, 270
+    """The sessions lane, restarts, downtime, rollbacks, faults and the saves' ticks."""
+    top, bar_h, height = 40, 34, 304
     parts = [f'<text x="8" y="{top + 22}">sessions</text>',
              f'<text x="8" y="{top + 86}">durable saves</text>',
-             f'<text x="8" y="{top + 116}">local saves</text>']
+             f'<text x="8" y="{top + 116}">local saves</text>',
+             f'<text x="8" y="{top + 146}">faults</text>']
     rows = tl.sessions
     for i, row in enumerate(rows):
         x0, x1 = axis.x(row["start"]), max(axis.x(row["end"]), axis.x(row["start"]) + 3)
         fill, _ = ENDINGS.get(row["ended"], ENDINGS["crashed"])
         tip = (f"session {row['session']}: {row['label']}; {_when(row['start'])} to "
-               f"{_when(row['end'])}; steps {row['first_step']}..{row['last_step']}")
+               f"{_when(row['end'])}; steps {row['first_step']}..{row['last_step']}; "
+               f"{_restored(row)}")
         parts.append(
-            f'<g class="session" data-ended="{_e(row["ended"])}"><title>{_e(tip)}</title>'
+            f'<g class="session" data-ended="{_e(row["ended"])}" '
+            f'data-tier="{_e(row["restored_tier"] or "fresh")}"><title>{_e(tip)}</title>'
             f'<rect x="{x0:.1f}" y="{top}" width="{x1 - x0:.1f}" height="{bar_h}" '
             f'fill="{fill}" stroke="#000" stroke-width="1"/>'
             f'<text x="{x0 + 2:.1f}" y="{top - 6 - 13 * (i % 2)}">#{row["session"]} '
@@ -129,18 +142,63 @@ def _timeline(tl: Timeline, axis: Axis) -> str:
         parts.append(f'<line class="save {_e(tier)}" x1="{x:.1f}" x2="{x:.1f}" y1="{y}" '
                      f'y2="{y + 14}" stroke="#000" stroke-width="{2 if tier == "durable" else 1}">'
                      f'<title>{_e(tier)} save of step {step}</title></line>')
-    parts.append(axis.draw(top + 134))
-    parts.append(_legend(top + 196))
-    return chart("timeline", "The run's life: sessions, restarts, rollbacks and saves",
+    parts.append(_fault_markers(tl, axis, top + 142))
+    parts.append(axis.draw(top + 164))
+    parts.append(_legend(top + 226))
+    return chart("timeline", "The run's life: sessions, restarts, rollbacks, faults and saves",
                  height, "".join(parts))
 
 
+def _restored(row: dict[str, Any]) -> str:
+    """What a session restored, in words ("peer" spelled out as the local tier's peer copy)."""
+    if row["restored_tier"] is None:
+        return "fresh start"
+    return f"step {row['restored_step']} ({tier_words(row['restored_tier'])})"
+
+
+def _fault_tip(number: int, f: Fault) -> str:
+    where = f"process {f.process} on host {f.host}"
+    if f.device is not None:
+        where += f", device {f.device}"
+    words = FAULT_WORDS.get(f.cause, f.cause)
+    tip = f"{words} at step {f.step}, {_when(f.time)}: {where} (session {number})"
+    if f.detail:
+        tip += f"; {f.detail}"
+    if f.cause == "straggler" and f.secs:
+        tip += f"; the others waited {_hms(f.secs)}"
+    return tip
+
+
+def _fault_markers(tl: Timeline, axis: Axis, y: int) -> str:
+    """Each fault's marker at its time, its shape by cause, named in a label where there
+    is room (a straggler can be named every window: labels would overlap)."""
+    parts, room = [], float("-inf")
+    xs = [axis.x(f.time) for _, f in tl.faults] + [float("inf")]
+    for k, (number, f) in enumerate(tl.faults):
+        x, label, text = xs[k], f"{f.cause} p{f.process}", ""
+        end = x + 14 + 7 * len(label)  # the label's end, at about 7 px a character
+        if x >= room and xs[k + 1] > end:  # clear of the labels before and the next marker
+            text = f'<text x="{x + 8:.1f}" y="{y + 4}">{_e(label)}</text>'
+            room = end
+        parts.append(f'<g class="fault" data-cause="{_e(f.cause)}" data-process="{f.process}">'
+                     f'<title>{_e(_fault_tip(number, f))}</title>'
+                     f'{fault_marker(f.cause, x, y)}{text}</g>')
+    return "".join(parts)
+
+
 def _legend(y: int) -> str:
-    items = [(fill, words) for fill, words in ENDINGS.values()]
+    items: list[tuple[str | None, str]] = [(fill, words) for fill, words in ENDINGS.values()]
     items.append(("url(#p-down)", "downtime (no trainer)"))
+    items += [(None, cause) for cause in FAULT_LEGEND]
     out, x = [], LEFT
     for fill, words in items:
-        out.append(legend_swatch(x, y, fill, words))
+        if fill is None:  # a fault's marker, by cause
+            cause, words = words, FAULT_LEGEND[words]
+            out.append(f'<g class="legend-fault" data-cause="{cause}">'
+                       f'{fault_marker(cause, x + 11, y - 4)}'
+                       f'<text x="{x + 27}" y="{y}">{_e(words)}</text></g>')
+        else:
+            out.append(legend_swatch(x, y, fill, words))
         x += 30 + 7 * len(words)
         if x > WIDTH - 150:
             x, y = LEFT, y + 22
@@ -196,20 +254,37 @@ def _sessions_table(tl: Timeline) -> str:
             "<th>steps</th><th>restored</th><th>details</th></tr>")
     body = []
     for r in tl.sessions:
-        restored = ("fresh start" if r["restored_tier"] is None
-                    else f"step {r['restored_step']} ({r['restored_tier']})")
+        restored = _restored(r)
         details = []
         if r["hang_report"]:
             details.append(f'<details class="hang"><summary>hang report</summary>'
                            f'<pre>{_e(r["hang_report"])}</pre></details>')
         if r["rollbacks"]:
             details.append(f"{r['rollbacks']} rollback(s)")
+        if r["faults"]:
+            details.append(f'<span class="faults">{_e(count_faults(r["faults"]))}</span>')
         steps = f"{r['first_step']}..{r['last_step']}" if r["last_step"] is not None else "-"
-        body.append(f'<tr class="session-row" data-ended="{_e(r["ended"])}"><td>{r["session"]}'
+        body.append(f'<tr class="session-row" data-ended="{_e(r["ended"])}" '
+                    f'data-tier="{_e(r["restored_tier"] or "fresh")}"><td>{r["session"]}'
                     f'</td><td>{_e(_when(r["start"]))}</td><td>{_e(_when(r["end"]))}</td>'
                     f'<td>{_e(r["label"])}</td><td>{steps}</td><td>{_e(restored)}</td>'
                     f'<td>{"; ".join(details)}</td></tr>')
     return f'<table id="sessions">{head}{"".join(body)}</table>'
+
+
+def _faults_table(tl: Timeline) -> str:
+    if not tl.faults:
+        return '<p id="faults" class="muted">none</p>'
+    head = ("<tr><th>time</th><th>session</th><th>fault</th><th>step</th><th>process</th>"
+            "<th>host</th><th>device</th><th>detail</th></tr>")
+    body = "".join(
+        f'<tr class="fault-row" data-cause="{_e(f.cause)}"><td>{_e(_when(f.time))}</td>'
+        f'<td>{n}</td><td>{_e(FAULT_LEGEND.get(f.cause, f.cause))}</td><td>{f.step}</td>'
+        f'<td>{f.process}</td><td>{_e(f.host)}</td>'
+        f'<td>{"-" if f.device is None else f.device}</td><td>{_e(f.detail)}'
+        f'{"; the others waited " + _e(_hms(f.secs)) if f.cause == "straggler" else ""}'
+        f'</td></tr>' for n, f in tl.faults)
+    return f'<table id="faults">{head}{body}</table>'
 
 
 def render(tl: Timeline) -> str:
@@ -241,6 +316,7 @@ def render(tl: Timeline) -> str:
 <h2>Badput by cause</h2>{_badput(tl)}
 <h2>Sessions</h2>{_sessions_table(tl)}
 <h2>Rollbacks</h2><ul id="rollbacks">{rollbacks or "<li>none</li>"}</ul>
+<h2>Machines named at fault</h2>{_faults_table(tl)}
 <h2>As <code>loopkit goodput</code> prints it</h2><pre>{_e(format_report(tl.report))}</pre>
 <script>{SCRIPT}</script>
 </body></html>

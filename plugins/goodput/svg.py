@@ -7,7 +7,7 @@ import html
 import math
 import time
 
-__all__ = ["Axis", "chart", "legend_swatch", "nice_step", "pattern_defs"]
+__all__ = ["Axis", "chart", "fault_marker", "legend_swatch", "nice_step", "pattern_defs"]
 
 #: (pattern id, SVG of one tile): stripes, hatches and dots that a greyscale print keeps
 _PATTERNS = {
@@ -44,6 +44,29 @@ def chart(name: str, title: str, height: int, inner: str, width: int = 1000) -> 
 def legend_swatch(x: float, y: float, fill: str, words: str) -> str:
     return (f'<rect x="{x:.0f}" y="{y - 11:.0f}" width="22" height="14" fill="{fill}" '
             f'stroke="#000"/><text x="{x + 27:.0f}" y="{y:.0f}">{html.escape(words)}</text>')
+
+
+#: each fault cause's marker: (shape, fill); the shapes tell them apart in greyscale
+FAULT_SHAPES = {"sdc": ("diamond", "#b00000"), "compute": ("square", "#e07000"),
+                "straggler": ("circle", "#ffffff")}
+
+
+def fault_marker(cause: str, x: float, y: float) -> str:
+    """The marker of a fault of `cause` centred at (`x`, `y`): a filled diamond for a
+    replica mismatch, a filled square for a compute fault, a hollow circle for a
+    straggler, a cross for a cause this version does not know."""
+    shape, fill = FAULT_SHAPES.get(cause, ("cross", "#000"))
+    if shape == "diamond":
+        return (f'<path d="M{x:.1f},{y - 7:.1f} l7,7 l-7,7 l-7,-7 z" fill="{fill}" '
+                f'stroke="#000" stroke-width="1.5"/>')
+    if shape == "square":
+        return (f'<rect x="{x - 5.5:.1f}" y="{y - 5.5:.1f}" width="11" height="11" '
+                f'fill="{fill}" stroke="#000" stroke-width="1.5"/>')
+    if shape == "circle":
+        return (f'<circle cx="{x:.1f}" cy="{y:.1f}" r="5.5" fill="{fill}" stroke="#000" '
+                f'stroke-width="2"/>')
+    return (f'<path d="M{x - 5:.1f},{y - 5:.1f} l10,10 M{x + 5:.1f},{y - 5:.1f} l-10,10" '
+            f'stroke="{fill}" stroke-width="2"/>')
 
 
 def nice_step(raw: float) -> float:

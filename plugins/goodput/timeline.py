@@ -13,7 +13,7 @@ from typing import Any
 
 from loopkit import storage
 from loopkit.plugins.goodput.output import describe_end, report_json, session_rows
-from loopkit.plugins.goodput.records import Record, Rollback, Window, read_records
+from loopkit.plugins.goodput.records import Fault, Record, Rollback, Window, read_records
 from loopkit.plugins.goodput.report import GoodputReport, summarise, summarise_sessions
 from loopkit.plugins.goodput.sessions import LedgerSession, group, is_running
 
@@ -47,6 +47,8 @@ class Timeline:
     steps: list[list[tuple[float, int]]]
     #: (time, goodput fraction of the run so far)
     goodput: list[tuple[float, float]]
+    #: (session number from 1, the record): each machine named at fault, in order
+    faults: list[tuple[int, Fault]] = dataclasses.field(default_factory=list)
 
     def figures(self) -> dict[str, Any]:
         return report_json(self.report)
@@ -135,5 +137,6 @@ def build(logdir: Path | str) -> Timeline:
     return Timeline(logdir=str(logdir), t0=sessions[0].start.process_start, t1=t1,
                     report=report, sessions=rows, restarts=restarts, rollbacks=rollbacks,
                     saves=saves, steps=[_steps(s) for s in sessions],
-                    goodput=_goodput_curve(records))
+                    goodput=_goodput_curve(records),
+                    faults=[(i, f) for i, s in enumerate(sessions, 1) for f in s.faults])
 

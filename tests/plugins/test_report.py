@@ -137,3 +137,109 @@ def test_chromium_shows_every_session_the_exits_the_hang_report_and_goodput(
     assert colours is not None and len(colours) > 20  # drawn, not a blank page
     white = max(colours)[0] / sum(c for c, _ in colours)
     assert white < 0.97
+
+
+# -- faults and a peer restore, from a ledger written by hand (no training) ----------
+
+def _faulty_ledger(logdir: Path) -> float:
+    """A ledger as the goodput plugin, the fault checks and `loopkit run` write it: a fresh
+    session that names a replica mismatch, a compute fault and a straggler and then
+    crashes, restarted; a session restored from a peer's copy that finishes. Returns t0."""
+    from loopkit.plugins.goodput.ledger import Ledger
+    from loopkit.plugins.goodput.records import (
+        LEDGER_NAME, Fault, Restart, Start, Stop, Window, append_line,
+    )
+
+    t0 = 1_700_000_000.0
+    common = dict(host="host-a", pid=100, restore_secs=0.0, first_step_secs=0.5,
+                  summary_secs=10.0)
+    ledger = Ledger(logdir)
+    ledger.write(Start(time=t0 + 2, step=0, process_start=t0, tier=None, **common))
+    ledger.write(Window(time=t0 + 12, step=10, secs=10.0, input_secs=0.1, save_secs=0.0,
+                        timers={}))
+    ledger.write(Fault(time=t0 + 14, step=12, cause="sdc", process=1, host="host-b",
+                       device=5, detail="leaf params/w"))
+    ledger.write(Fault(time=t0 + 18, step=16, cause="compute", process=0, host="host-a",
+                       detail="loss=nan"))
+    ledger.write(Fault(time=t0 + 22, step=20, cause="straggler", process=2, host="host-c",
+                       detail="3.0x the others' time per step, in input", secs=4.0))
+    ledger.write(Stop(time=t0 + 24, step=22, secs=12.0, input_secs=0.1, save_secs=0.0,
+                      timers={}, reason="error", error="RuntimeError: the machine"))
+    ledger.close()
+    # `loopkit run`'s record (`record_restart` stamps it now: this one keeps the run's clock)
+    append_line(logdir / LEDGER_NAME, Restart(time=t0 + 26, step=22, kind="failure",
+                                              exit_code=1, signal=None).to_line(), True)
+    ledger = Ledger(logdir)
+    ledger.write(Start(time=t0 + 34, step=20, process_start=t0 + 30, tier="peer",
+                       **{**common, "pid": 101}))
+    ledger.write(Stop(time=t0 + 44, step=30, secs=10.0, input_secs=0.1, save_secs=0.0,
+                      timers={}, reason="max_steps"))
+    ledger.close()
+    return t0
+
+
+@pytest.fixture(scope="module")
+def faulty(tmp_path_factory) -> tuple[Path, Path]:
+    logdir = tmp_path_factory.mktemp("faulty") / "run"
+    _faulty_ledger(logdir)
+    page = logdir.parent / "report.html"
+    r = _cli("report", str(logdir), "-o", str(page))
+    assert r.returncode == 0, r.stderr
+    return logdir, page
+
+
+def test_goodput_sessions_lists_each_sessions_faults_and_a_peer_restore(faulty):
+    logdir, _ = faulty
+    out = _cli("goodput", str(logdir), "--sessions", "--json")
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out.stdout)
+    assert [r["ended"] for r in rows] == ["crashed", "finished"]
+    assert [(f["cause"], f["process"], f["host"], f["step"], f["device"])
+            for f in rows[0]["faults"]] == [("sdc", 1, "host-b", 12, 5),
+                                            ("compute", 0, "host-a", 16, None),
+                                            ("straggler", 2, "host-c", 20, None)]
+    assert [f["time"] for f in rows[0]["faults"]] == [1_700_000_014.0, 1_700_000_018.0,
+                                                     1_700_000_022.0]
+    assert rows[0]["faults"][2]["secs"] == 4.0 and rows[1]["faults"] == []
+    assert (rows[1]["restored_step"], rows[1]["restored_tier"]) == (20, "peer")
+    text = _cli("goodput", str(logdir), "--sessions").stdout
+    assert "1 replica mismatch (process 1 on host-b)" in text
+    assert "1 compute fault (process 0 on host-a)" in text
+    assert "1 straggler (process 2 on host-c)" in text
+    assert "step 20 (peer copy of the local tier)" in text
+
+
+def test_the_report_marks_each_fault_by_cause_and_names_the_peer_restore(faulty):
+    _, page = faulty
+    text = page.read_text()
+    assert not re.search(r"""(src|href)\s*=\s*["']?\s*(https?:)?//""", text, re.I)
+    assert "@import" not in text and "<link" not in text and "<img" not in text
+    marks = re.findall(r'<g class="fault" data-cause="(\w+)" data-process="(\d)">'
+                       r'<title>([^<]*)</title>', text)
+    assert [(c, p) for c, p, _ in marks] == [("sdc", "1"), ("compute", "0"), ("straggler", "2")]
+    sdc, compute, straggler = (t for _, _, t in marks)
+    assert "replica mismatch at step 12" in sdc and "process 1 on host host-b, device 5" in sdc
+    assert "leaf params/w" in sdc
+    assert "compute fault at step 16" in compute and "host-a" in compute and "loss=nan" in compute
+    assert "straggler at step 20" in straggler and "host-c" in straggler
+    assert "the others waited 4.0 s" in straggler and "in input" in straggler
+    # a marker's shape per cause, each in the legend with its words
+    legend = re.search(r'<g class="legend">.*?</svg>', text, re.S).group(0)
+    for cause, words in (("sdc", "replica mismatch (sdc)"), ("compute", "compute fault"),
+                         ("straggler", "straggler")):
+        assert f'data-cause="{cause}"' in legend and words in legend
+    assert len(re.findall(r'<tr class="fault-row"', text)) == 3
+    assert "step 20 (peer copy of the local tier)" in text
+    assert text.count('data-tier="peer"') == 2  # its bar and its row
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (.ci/run installs it)")
+def test_chromium_loads_the_faults_report_without_an_error(faulty, tmp_path):
+    _, page = faulty
+    dom = _chromium(page, tmp_path / "profile", "--dump-dom")
+    assert dom.returncode == 0, dom.stderr[-3000:]
+    html = dom.stdout
+    assert 'data-sessions="2"' in html and 'data-faults="3"' in html  # its script ran
+    assert re.search(r'<div id="errors">\s*</div>', html), html[:2000]
+    assert "Uncaught" not in dom.stderr and "CONSOLE" not in dom.stderr, dom.stderr[-3000:]
+    assert "1 replica mismatch (process 1 on host-b)" in html
