@@ -183,9 +183,12 @@ def test_a_restart_record_names_the_step_the_child_reached(tmp_path):
     restarts = [e for e in ledger if e["event"] == "restart"]
     starts = [e for e in ledger if e["event"] == "start"]
     assert len(restarts) == 1 and len(starts) == 2
-    # the step of the last checkpoint the killed child committed: where the next one resumed
+    # the step of the last commit the killed child's status file named. The status is
+    # written once the commit is published, so a SIGKILL between the two leaves it one
+    # save (2 steps) behind the checkpoint the next child resumes from, never ahead
     reached = restarts[0]["step"]
-    assert reached == starts[1]["step"] and 2 <= reached <= 9, (restarts, starts)
+    resumed = starts[1]["step"]
+    assert 2 <= reached <= 9 and reached in (resumed, resumed - 2), (restarts, starts)
     assert f"killed by SIGKILL) at step {reached} (it started at step 0)" in err
     assert "restarting at once" in err  # it made progress: no backoff
 
