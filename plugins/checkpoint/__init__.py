@@ -17,12 +17,14 @@ Where each part lives (docs/architecture.md draws the flows):
   record; `retention`: what the file lists and what is deleted; `position`: a
   checkpoint's metadata, the input positions as JSON; `replicas`: host-local
   replicas checked at each save of many processes, and the save's veto.
-- `helpers`, `locate` and `listing`: `latest_checkpoint`, `load_checkpoint`,
-  `checkpoints_iterator`, `from_pretrained`, `describe_checkpoints` (``loopkit
-  checkpoints``, in `commands`), finding a checkpoint and the backend that reads it.
-- `backends`: the built-in backends (`orbax`, `npz`, `staged` for URLs) and what
-  they share (leaf `records`, `placement`, `temporaries`).
-- `readers`: read-only backends for others' formats (orbax trees, safetensors).
+- `helpers`: what reads checkpoints outside a run: `latest_checkpoint`,
+  `load_checkpoint`, `checkpoints_iterator`, `from_pretrained`; `helpers.locate`
+  (finding a checkpoint and the backend that reads it), `helpers.listing`
+  (`describe_checkpoints`, ``loopkit checkpoints`` through `commands`) and
+  `helpers.readers` (read-only backends for others' formats: orbax trees,
+  safetensors).
+- `backends`: the built-in backends (`orbax`, a subpackage; `npz`; `staged` for
+  URLs) and what they share (leaf `records`, `placement`, `temporaries`).
 - `io_tuning`: `checkpoint_io_tuning()`, an opt-in tuning of the interpreter for
   checkpoint I/O of thousands of leaves (loopkit never changes it by itself).
 """
@@ -36,7 +38,7 @@ from loopkit.plugins.checkpoint.helpers import (
     load_checkpoint,
 )
 from loopkit.plugins.checkpoint.io_tuning import checkpoint_io_tuning
-from loopkit.plugins.checkpoint.listing import describe_checkpoints
+from loopkit.plugins.checkpoint.helpers.listing import describe_checkpoints
 # (`plugin` below is the function the plugin manager calls, not the module of that name)
 from loopkit.plugins.checkpoint.plugin import BUILTIN_BACKENDS, INACTIVE, CheckpointPlugin, plugin
 from loopkit.plugins.shared import RESTORED_TIER

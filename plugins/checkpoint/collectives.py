@@ -16,7 +16,7 @@ The order, by what the run does (every process at the same step):
      then the JSON bytes of every process's input position);
   3. the backend's own: orbax's save and wait (orbax's collectives), the staged
      backend's barriers (``cleared``, ``written``, ``committed``) and the orbax
-     backend's ``published`` barrier (`backends.staged.barrier`).
+     backend's ``published`` barrier (`barrier`).
 - **A restore at start-up** (`recovery`):
   1. with a local tier: `broadcast_from_chief` (the durable tier's first candidate,
      the floor); `common_steps` (or, with peer copies, one `gather_rows` of what
@@ -40,7 +40,7 @@ from typing import Any, Collection
 import jax
 import numpy as np
 
-__all__ = ["COMPARED_STEPS", "any_process", "broadcast_from_chief", "common_steps",
+__all__ = ["COMPARED_STEPS", "any_process", "barrier", "broadcast_from_chief", "common_steps",
            "gather_positions", "gather_rows", "worst_of"]
 
 #: how many of its newest local steps each process offers when they look for a common one
@@ -97,3 +97,20 @@ def gather_positions(position: Any) -> list[Any]:
     padded[:len(mine)] = np.frombuffer(mine, np.uint8)
     table = gather_rows(padded)
     return [json.loads(row[:n].tobytes()) for row, n in zip(table, sizes)]
+
+
+def barrier(name: str, processes: set[int], timeout: int | None = None) -> None:
+    """Wait until every one of ``processes`` reaches ``name`` (none with one process).
+
+    Through the jax.distributed client, not orbax's default device collectives, which
+    in a save or commit thread would interleave with the step's own in a different
+    order on each process. A process that died never arrives: the others raise after
+    ``timeout`` seconds (None: orbax's default), or when jax.distributed's failure
+    detection ends them first."""
+    if len(processes) < 2:
+        return
+    import orbax.checkpoint as ocp
+
+    ocp.multihost.sync_global_processes(
+        name, timeout=timeout, processes=processes,
+        barrier_sync_fn=ocp.multihost.get_barrier_sync_fn(processes=processes))

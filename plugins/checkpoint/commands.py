@@ -30,7 +30,7 @@ def command_line(subparsers: Any) -> None:
 
 def _checkpoints(args: argparse.Namespace) -> int:
     from loopkit.plugins.checkpoint import describe_checkpoints
-    from loopkit.plugins.checkpoint.listing import checkpoint_rows, recorded_local_dir, row_json
+    from loopkit.plugins.checkpoint.helpers.listing import checkpoint_rows, recorded_local_dir, row_json
 
     try:
         if args.local_dir is None:

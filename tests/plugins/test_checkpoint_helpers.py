@@ -320,7 +320,7 @@ def test_a_backend_with_only_the_protocol_and_the_hook_is_found_by_every_helper(
 
 
 def test_sizes_listed_by_loopkit_checkpoints_go_up_to_tib():
-    from loopkit.plugins.checkpoint.listing import _human_size
+    from loopkit.plugins.checkpoint.helpers.listing import _human_size
 
     assert [_human_size(n) for n in (512, 1536, 5 * 1024 ** 3, 5 * 1024 ** 4)] == [
         "512 B", "1.5 KiB", "5.0 GiB", "5.0 TiB"]

@@ -26,7 +26,7 @@ def test_built_ins_use_only_the_public_plugin_surface():
 
     plugins_dir = Path(__file__).resolve().parents[2] / "plugins"
     paths = sorted(plugins_dir.rglob("*.py"))
-    assert plugins_dir / "checkpoint" / "backends" / "orbax.py" in paths  # subpackages too
+    assert plugins_dir / "checkpoint" / "backends" / "orbax" / "write.py" in paths  # subpackages too
     for path in paths:
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
@@ -282,7 +282,7 @@ def test_only_orbax_s_public_contract_and_no_other_library_s_private_members():
     namedtuple's documented API and the documented names in `_DOCUMENTED` aside; (d)
     name orbax's ``_METADATA`` / ``_CHECKPOINT_METADATA`` only to test that one exists."""
     modules = [_Module(p) for p in _SOURCES]
-    assert _ROOT / "plugins" / "checkpoint" / "backends" / "orbax_write.py" in _SOURCES
+    assert _ROOT / "plugins" / "checkpoint" / "backends" / "orbax" / "write.py" in _SOURCES
     assert _ROOT / "loopkit" / "loop" / "step.py" in _SOURCES
     assert _violations(modules) == []
 

@@ -1,8 +1,9 @@
 """The built-in checkpoint backends, and what they share.
 
-- `orbax` (``"orbax"``, the default): a standard orbax PyTree checkpoint per step,
-  written asynchronously (`orbax_write`: the arrays in one batch), read by
-  `orbax_read`; `orbax_layout` is what loopkit keeps beside orbax's tree.
+- `orbax` (``"orbax"``, the default, a subpackage): a standard orbax PyTree
+  checkpoint per step, written asynchronously (`orbax.write`: the arrays in one
+  batch), read by `orbax.read`; `orbax.layout` is what loopkit keeps beside orbax's
+  tree; `orbax.parts` a database per process on a bucket, merged at the commit.
 - `npz` (``"npz"``): one ``.npz`` file per step, numpy only, synchronous.
 - `staged`: any local-file backend under a URL, staged on local disk and uploaded.
 - `records` (how a leaf is described in JSON), `placement` (restored leaves placed

@@ -45,9 +45,10 @@ from typing import Any, Callable, Iterator, Sequence
 from loopkit import storage
 from loopkit.errors import CheckpointError
 from loopkit.plugins.checkpoint.backends.temporaries import own_directory, remove_stale
+from loopkit.plugins.checkpoint.collectives import barrier
 from loopkit.storage.retry import StoreFailure, retrying
 
-__all__ = ["MARKER", "PART", "StagedBackend", "barrier", "local_or_staged", "refuse_url"]
+__all__ = ["MARKER", "PART", "StagedBackend", "local_or_staged", "refuse_url"]
 
 log = logging.getLogger("loopkit")
 
@@ -86,23 +87,6 @@ def refuse_url(directory: Any, who: str) -> None:
             f"{who} writes local files and was given the URL {directory!r}: build it through "
             "loopkit.plugins.checkpoint.backends.staged.local_or_staged(directory, basename, "
             "make), which stages it locally and uploads (docs/storage.md)")
-
-
-def barrier(name: str, processes: set[int], timeout: int | None = None) -> None:
-    """Wait until every one of ``processes`` reaches ``name`` (none with one process).
-
-    Through the jax.distributed client, not orbax's default device collectives, which
-    in a save or commit thread would interleave with the step's own in a different
-    order on each process. A process that died never arrives: the others raise after
-    ``timeout`` seconds (None: orbax's default), or when jax.distributed's failure
-    detection ends them first."""
-    if len(processes) < 2:
-        return
-    import orbax.checkpoint as ocp
-
-    ocp.multihost.sync_global_processes(
-        name, timeout=timeout, processes=processes,
-        barrier_sync_fn=ocp.multihost.get_barrier_sync_fn(processes=processes))
 
 
 def _stage_root() -> Path:

@@ -34,7 +34,7 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
-from loopkit.plugins.checkpoint.backends.orbax_layout import split_kvstore
+from loopkit.plugins.checkpoint.backends.orbax.layout import split_kvstore
 
 __all__ = ["Saver"]
 

@@ -201,7 +201,7 @@ def fetch_needed(path: Path, names: Sequence[str], get: Callable[[list[str]], No
     database and the metadata files come whole; of the per-process files only the
     spans holding the values read.
     """
-    from loopkit.plugins.checkpoint.backends.orbax_layout import objects_needed
+    from loopkit.plugins.checkpoint.backends.orbax.layout import objects_needed
 
     index = [n for n in names if not n.startswith(PREFIX)]
     get(index)

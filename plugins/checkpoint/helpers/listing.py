@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from loopkit import storage
-from loopkit.plugins.checkpoint.locate import Backends, basename_of, stored_at
+from loopkit.plugins.checkpoint.helpers.locate import Backends, basename_of, stored_at
 from loopkit.plugins.checkpoint.recovery import durable_best
 from loopkit.plugins.checkpoint.tf_file import read_local_dir, read_state
 

@@ -11,7 +11,7 @@ readers ignore), loopkit keeps JSON: the step, the caller's metadata, one record
 per leaf (path, kind, dtype, shape; the same records as the `npz` backend's,
 values of Python scalars and strings inline), and which stored nodes are
 sequences, so `structure` reads no array data. Reading is
-`orbax_read`, which also reads the earlier layout (nested
+`read`, which also reads the earlier layout (nested
 dicts keyed by the path components) and plain orbax saves.
 
 Committing. orbax saves ``<name>.loopkit-staging`` (through its own temporary
@@ -41,7 +41,7 @@ holds whole go to orbax as numpy arrays (the host copy; on CPU a view), which
 orbax stores exactly as it stores jax arrays but without writing each one's
 sharding to a metadata file in turn (most of a save's time with thousands of
 leaves), and without its defensive copy of numpy arrays (the thread owns them);
-`loopkit.plugins.checkpoint.backends.orbax_write` writes them all in one batch, the same bytes as
+`loopkit.plugins.checkpoint.backends.orbax.write` writes them all in one batch, the same bytes as
 orbax's own handler, a third of its time with thousands of leaves. Its barriers go through the
 jax.distributed client (``active_processes`` set), not orbax's default device
 collectives, which in a background thread would interleave with the training
@@ -69,14 +69,15 @@ import numpy as np
 from loopkit import storage
 from loopkit.errors import CheckpointError
 from loopkit.storage.local import fsync_dir, fsync_tree
-from loopkit.plugins.checkpoint.backends import orbax_parts
-from loopkit.plugins.checkpoint.backends.orbax_layout import (
+from loopkit.plugins.checkpoint.backends.orbax import parts as orbax_parts
+from loopkit.plugins.checkpoint.backends.orbax.layout import (
     HEAD_KEY as _KEY, VERSION as _VERSION, Head, objects_needed, sequence_nodes,
 )
-from loopkit.plugins.checkpoint.backends.orbax_read import ReadsOrbax, read_head
-from loopkit.plugins.checkpoint.backends.orbax_write import Saver
+from loopkit.plugins.checkpoint.backends.orbax.read import ReadsOrbax, read_head
+from loopkit.plugins.checkpoint.backends.orbax.write import Saver
 from loopkit.plugins.checkpoint.backends.records import head_json, leaf_records
-from loopkit.plugins.checkpoint.backends.staged import barrier, refuse_url
+from loopkit.plugins.checkpoint.backends.staged import refuse_url
+from loopkit.plugins.checkpoint.collectives import barrier
 from loopkit.plugins.checkpoint.backends.temporaries import remove_stale, saving_lock
 
 if TYPE_CHECKING:
@@ -98,7 +99,7 @@ class OrbaxBackend(ReadsOrbax):
     `PyTreeCheckpointHandler`; the defaults are the fastest measured here
     (benchmarks/README.md, "Checkpoint I/O"). ``restore_concurrent_gb`` bounds orbax's
     reads of arrays spread over processes; arrays a process reads whole go straight
-    into their own buffers (`orbax_read.read_direct`). ``process_local``: in a job of
+    into their own buffers (`read.read_direct`). ``process_local``: in a job of
     many processes, this process's own checkpoints in a directory of its own (the
     shards it holds, its host-local leaves), written and read without waiting for
     the others (the local tier; orbax's emergency checkpointing writes its local
@@ -133,7 +134,7 @@ class OrbaxBackend(ReadsOrbax):
         many = jax.process_count() > 1
         # own_files with many processes and OCDBT: each process's part is its own database,
         # which the chief merges once every part is uploaded (orbax's primary merges
-        # only the databases it sees, its own in its stage: `orbax_parts`); without
+        # only the databases it sees, its own in its stage: `parts`); without
         # OCDBT, one zarr3 array per leaf and each process's chunks of it
         self._parts = self.own_files and many and bool(use_ocdbt)
         self._zarr3 = bool(use_zarr3)  # recorded in the head: how to read the arrays back
@@ -182,7 +183,7 @@ class OrbaxBackend(ReadsOrbax):
             return ocp.Checkpointer(handler, multiprocessing_options=multiprocessing, **kw)
 
         # used by the save thread only: numpy arrays written in one batch, not copied
-        # again (see _write and `orbax_writer`)
+        # again (see _write and `write`)
         writer = Saver(array_metadata=not (self.own_files and many), **options)
         # own_files: orbax writes at the final path and marks it with its commit file
         # (as on GCS), not under a temporary name that only the primary renames: the
@@ -377,7 +378,7 @@ class OrbaxBackend(ReadsOrbax):
         return super().restore(step, like)
 
     def merge_parts(self, step: int, names: list[str], read: Any) -> list[str] | None:
-        """The chief's merge of every process's database of ``step`` (`orbax_parts`), in
+        """The chief's merge of every process's database of ``step`` (`parts`), in
         this stage, once all are on the store (``names``, read by ``read``); the
         objects it wrote, to upload. None without a database per process."""
         if not self._parts:

@@ -4,5 +4,5 @@
   `CheckpointManager` step.
 - `safetensors`: ``*.safetensors`` files, as published models ship.
 
-`loopkit.plugins.checkpoint.locate` chooses one for a path.
+`loopkit.plugins.checkpoint.helpers.locate` chooses one for a path.
 """

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from loopkit import storage
-from loopkit.plugins.checkpoint.locate import Backends, basename_of, locate, recoverable
+from loopkit.plugins.checkpoint.helpers.locate import Backends, basename_of, locate, recoverable
 from loopkit.plugins.checkpoint.tf_file import checkpoint_path
 from loopkit.state.pytree import check_matches, conform, leaf_path, leaves_with_paths, shape_dtype
 

@@ -107,7 +107,7 @@ def _in_logdir(directory: Path | str, basename: str, step: int | None) -> Locate
 
 def _manager_item(step_dir: Path) -> Path | None:
     """The one orbax PyTree item of a `CheckpointManager` step directory."""
-    from loopkit.plugins.checkpoint.backends.orbax_layout import is_orbax_tree
+    from loopkit.plugins.checkpoint.backends.orbax.layout import is_orbax_tree
 
     if is_orbax_tree(step_dir):
         return step_dir
@@ -121,8 +121,8 @@ def _manager_item(step_dir: Path) -> Path | None:
 
 def _foreign(target: Path) -> Located | None:
     """A read-only backend for what another library wrote at ``target``."""
-    from loopkit.plugins.checkpoint.readers.orbax import OrbaxCheckpoint
-    from loopkit.plugins.checkpoint.readers.safetensors import SafetensorsCheckpoint
+    from loopkit.plugins.checkpoint.helpers.readers.orbax import OrbaxCheckpoint
+    from loopkit.plugins.checkpoint.helpers.readers.safetensors import SafetensorsCheckpoint
 
     if target.is_file() and target.name.endswith(".safetensors"):
         return Located(SafetensorsCheckpoint([target]), 0, str(target))

@@ -1,7 +1,7 @@
 """Reading orbax PyTree checkpoints: the `orbax` backend's restore, and anyone's orbax trees.
 
 loopkit's orbax checkpoints carry a head in the step metadata's ``custom_metadata``
-(`orbax_layout`), which orbax's readers ignore: the step, the caller's metadata,
+(`layout`), which orbax's readers ignore: the step, the caller's metadata,
 one record per leaf (`records`) and the nodes of the stored tree that orbax holds
 as sequences. Version 2 stores the state in its own structure (lists stay lists),
 version 1 stored nested dicts keyed by the path components; both read the same way.
@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from loopkit.errors import CheckpointError
-from loopkit.plugins.checkpoint.backends.orbax_layout import (
+from loopkit.plugins.checkpoint.backends.orbax.layout import (
     HEAD_KEY, READS, Head, is_orbax_tree, split_kvstore,
 )
 from loopkit.plugins.checkpoint.backends.placement import (

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from loopkit.plugins.checkpoint.backends.orbax_layout import Head, is_orbax_tree
-from loopkit.plugins.checkpoint.backends.orbax_read import ReadsOrbax, read_head
-from loopkit.plugins.checkpoint.readers.read_only import ReadOnly
+from loopkit.plugins.checkpoint.backends.orbax.layout import Head, is_orbax_tree
+from loopkit.plugins.checkpoint.backends.orbax.read import ReadsOrbax, read_head
+from loopkit.plugins.checkpoint.helpers.readers.read_only import ReadOnly
 
 __all__ = ["OrbaxCheckpoint", "is_orbax_tree"]
 

@@ -19,7 +19,7 @@ import jax
 from loopkit.errors import CheckpointError
 from loopkit.plugins.checkpoint.backends.placement import like_leaves, put_like
 from loopkit.plugins.checkpoint.backends.records import dtype_from_name, nest, reading
-from loopkit.plugins.checkpoint.readers.read_only import ReadOnly
+from loopkit.plugins.checkpoint.helpers.readers.read_only import ReadOnly
 
 __all__ = ["SafetensorsCheckpoint"]
 
