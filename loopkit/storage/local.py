@@ -11,7 +11,7 @@ import json
 import os
 import uuid
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, BinaryIO, Callable, Iterator
 
 __all__ = ["atomic_write_bytes", "fsync_dir", "fsync_file", "fsync_tree",
            "read_json_object"]
@@ -46,21 +46,23 @@ def fsync_tree(root: str | os.PathLike[str]) -> None:
         fsync_dir(d)
 
 
-def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
-    """Write `data` to `path` so that a crash leaves the old file or the new one.
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike[str],
+                tmp: str | os.PathLike[str] | None = None) -> Iterator[BinaryIO]:
+    """A file to write that becomes `path` durably when the block ends, or never.
 
-    Every small file loopkit writes locally comes here (through `storage.write_atomic`
-    or directly). The temporary has a name no other writer shares (two threads of one
-    process included), ``.<name>.<random>.tmp`` in the same directory, and a failed
-    write removes it.
+    The data goes to a temporary in the same directory (`tmp`, by default
+    ``.<name>.<random>.tmp``: a name no other writer shares, two threads of one process
+    included), is fsynced, renamed over `path`, and the directory fsynced; an error in
+    the block (or in any of that) removes the temporary and is raised.
     """
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    tmp = Path(tmp) if tmp is not None else path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     # O_EXCL: never another writer's file; the mode as `open` gives (umask applied)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with open(fd, "wb") as f:
-            f.write(data)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -69,6 +71,16 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
             os.unlink(tmp)
         raise
     fsync_dir(path.parent)
+
+
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
+    """Write `data` to `path` so that a crash leaves the old file or the new one.
+
+    Every small file loopkit writes locally comes here (through `storage.write_atomic`
+    or directly), through `atomic_file`.
+    """
+    with atomic_file(path) as f:
+        f.write(data)
 
 
 def read_json_object(read: Callable[[], bytes]) -> dict[str, Any] | None:

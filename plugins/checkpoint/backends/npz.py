@@ -41,7 +41,7 @@ except ImportError:
     from zlib import crc32
 
 from loopkit.errors import CheckpointError
-from loopkit.storage.local import fsync_dir
+from loopkit.storage.local import atomic_file, fsync_dir
 from loopkit.state.pytree import conform
 
 if TYPE_CHECKING:
@@ -122,22 +122,12 @@ class NpzBackend:
         self.directory.mkdir(parents=True, exist_ok=True)
         final = self.path(step)
         tmp = final.with_name(f".{final.name}.tmp-{socket.gethostname()}-{os.getpid()}")
-        with saving_lock(self.directory):
-            try:
-                with open(tmp, "wb") as f:
-                    headers: dict[tuple, bytes] = {}
-                    with zipfile.ZipFile(f, "w", self.compression, allowZip64=True) as zf:
-                        for name, arr in [(_META_MEMBER, blob), *members]:
-                            with zf.open(name + ".npy", "w", force_zip64=True) as out:
-                                _write_npy(out, arr, headers)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, final)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                raise
-            fsync_dir(self.directory)
+        with saving_lock(self.directory), atomic_file(final, tmp) as f:
+            headers: dict[tuple, bytes] = {}
+            with zipfile.ZipFile(f, "w", self.compression, allowZip64=True) as zf:
+                for name, arr in [(_META_MEMBER, blob), *members]:
+                    with zf.open(name + ".npy", "w", force_zip64=True) as out:
+                        _write_npy(out, arr, headers)
 
     def wait(self) -> None:
         """Nothing to wait for: `save` is synchronous."""
