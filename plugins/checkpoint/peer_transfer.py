@@ -140,6 +140,8 @@ class PartServer:
 
 
 def _handler(server: PartServer) -> type[BaseHTTPRequestHandler]:
+    # long: the request handler of the part server's routes, kept beside the server state it
+    # closes over
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # one connection for every file of a part
 

@@ -108,6 +108,8 @@ def summarise(records: Sequence[Record], running: bool = False) -> GoodputReport
 
 def summarise_sessions(sessions: Sequence[LedgerSession]) -> GoodputReport:
     """The `GoodputReport` of a ledger's sessions (`sessions.group`)."""
+    # long: one pass over the sessions gathers every figure of the report; split, each part
+    # would walk the windows again
     bad: dict[str, float] = {k: 0.0 for k in CAUSES if k != "timers"}
     timers: dict[str, float] = {}
     step_secs = 0.0

@@ -177,6 +177,8 @@ class StagedBackend:
         process raises; so does a process whose local save ``failed`` (chained). A
         file checkpoint is one object, the chief's copy (the same replicas everywhere).
         """
+        # long: the upload's steps and barriers in the order every process passes them, read
+        # in one place
         src, dst = Path(self.local.path(step)), self.path(step)
         (fs, base), directory = storage.filesystem(dst), src.is_dir()
         self._uploads += 1

@@ -204,6 +204,8 @@ def read_direct(path: Path, wanted: dict[str, tuple[str, ...]],
     still under way: with thousands of leaves the placement's Python is as long as
     the reads.
     """
+    # long: opening, reading and placing in one tensorstore context, in the order its
+    # buffers are handed on
     import tensorstore as ts
     import orbax.checkpoint as ocp
     from etils import epath
@@ -265,6 +267,8 @@ def read_arrays(reader: Any, path: Path, head: Head, records: Sequence[LeafRecor
 
     Only the arrays asked for are read (an orbax partial restore).
     """
+    # long: orbax's partial restore of the leaves asked for and the direct reads beside it,
+    # in one pass over the records
     import orbax.checkpoint as ocp
 
     stored, args, puts = {}, {}, {}
