@@ -22,21 +22,7 @@ import pytest
 from loopkit.plugins.checkpoint.backends.staged import MARKER
 from loopkit.testing import free_port
 
-
-def _buckets():
-    """tests/plugins/test_storage_buckets.py: its servers and buckets (fixtures)."""
-    import importlib.util
-
-    path = Path(__file__).with_name("test_storage_buckets.py")
-    spec = importlib.util.spec_from_file_location("loopkit_bucket_fixtures", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_b = _buckets()
-s3_endpoint, gcs_endpoint, store, one_store = (
-    _b.s3_endpoint, _b.gcs_endpoint, _b.store, _b.one_store)
+from bucket_servers import one_store  # the fixtures: conftest.py
 
 WORKER = Path(__file__).with_name("leaves_worker.py")
 TIMEOUT = 240  # a deadlock fails the test instead of hanging CI
