@@ -16,6 +16,8 @@ starts its workers: a terminal's Ctrl-C reaches the runner only, and the runner
 forwards each SIGINT/SIGTERM it receives once to the child's group, which stops
 cleanly (a final checkpoint); the runner then exits with the child's exit code,
 without a restart (a SIGHUP, a closed terminal, goes to the child as SIGTERM). A
+runner that dies itself (SIGKILL) takes its child along: on Linux the child gets
+SIGTERM at that moment (``PR_SET_PDEATHSIG``) and stops cleanly. A
 signal while no child runs (the backoff) ends the runner with 128 + the signal's
 number. Each restart is logged with the step the child
 reached, its exit and the last lines of its stderr, and, for the chief's child
@@ -60,7 +62,7 @@ class _Child:
 
     def __init__(self, command: Sequence[str], env: dict[str, str]) -> None:
         self.proc = subprocess.Popen(list(command), env=env, stderr=subprocess.PIPE,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=_on_parent_death())
         self.tail: collections.deque[str] = collections.deque(maxlen=_TAIL)
         self._tee = threading.Thread(target=self._pass_stderr, daemon=True,
                                      name="loopkit-run-stderr")
@@ -113,6 +115,34 @@ class _Forwarder:
             except IndexError:
                 return
             child.signal(signum)
+
+
+def _on_parent_death() -> Callable[[], None] | None:
+    """What the child runs between fork and exec so that the runner's death (a SIGKILL,
+    the OOM killer) stops it cleanly, as a SIGTERM: Linux's ``PR_SET_PDEATHSIG``.
+
+    Without it the trainer, in a session of its own, trains on unwatched and keeps the
+    logdir's lease, so the next runner is refused. The function is looked up here,
+    before the fork: the child only calls it (no import, no allocation between fork
+    and exec). A runner that died before the call leaves the child adopted: it ends
+    itself. None off Linux, where there is no such call.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    runner = os.getpid()
+
+    def arm() -> None:
+        prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+        if os.getppid() != runner:  # the runner died before the call
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return arm
 
 
 def _describe(rc: int) -> str:

@@ -124,6 +124,28 @@ def test_ctrl_c_to_the_runners_group_stops_the_trainer_once_with_a_final_checkpo
     assert not [e for e in _ledger(tmp_path / "run") if e["event"] == "restart"]
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_runner_killed_outright_takes_its_trainer_along_with_a_final_checkpoint(tmp_path):
+    # the OOM killer or a scheduler SIGKILLs the runner alone: the trainer, in a session
+    # of its own, must not train on unwatched holding the logdir (the next runner would
+    # be refused), nor die without its final save
+    runner = Runner(tmp_path, plan="sleep 0.05")
+    _wait_for(lambda: (tmp_path / "run" / "checkpoint").exists())
+    child = int(Path(f"/proc/{runner.proc.pid}/task/{runner.proc.pid}/children")
+                .read_text().split()[0])
+    os.kill(runner.proc.pid, signal.SIGKILL)
+    runner.proc.wait(30)
+    _wait_for(lambda: not Path(f"/proc/{child}").exists()
+              or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2], 120)
+    _wait_for(lambda: any(line.startswith("DONE") for line in runner.out), 30)
+    done = [line.split() for line in runner.out if line.startswith("DONE")]
+    assert done[0][2] == "signal", runner.out
+    assert _committed_step(tmp_path / "run") == int(done[0][1])  # the final checkpoint
+    again = Runner(tmp_path, plan="ok", max_steps=int(done[0][1]) + 3)
+    rc, out, err = again.finish()
+    assert rc == 0, err[-3000:]  # the logdir is free: no orphan holds its lease
+
+
 def test_a_second_ctrl_c_still_aborts_without_a_restart(tmp_path):
     # a close of 5 s: the second Ctrl-C comes before the run could end by itself (an
     # abort still runs every on_stop, so longer would only slow the test)
