@@ -107,3 +107,52 @@ def test_a_single_device_state_has_nothing_to_compare(tmp_path, caplog):
             [1.0] * 10), max_steps=4, replica_check_steps=2, progress=False)
     assert r.step == 4
     assert "the state has no replicated leaf" in caplog.text
+
+
+def two_processes(tmp_path: Path, case: str) -> list[dict]:
+    from loopkit.testing import free_port
+
+    worker = WORKER.with_name("replica_procs_worker.py")
+    port = free_port()
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    procs = [subprocess.Popen([sys.executable, str(worker), str(tmp_path / "run"), str(i),
+                               str(port), case], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=240)
+            assert p.returncode == 0, err[-3000:]
+            outs.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return outs
+
+
+@pytest.mark.parametrize("case", ["raise", "clean"])
+def test_copies_on_two_processes_name_the_process_and_device_that_differs(tmp_path, case):
+    # the fleet's case: a leaf replicated over two hosts of two devices each, the last
+    # device's copy perturbed at step 13; every process stops at the check of step 15
+    # naming process 1 and that device
+    outs = two_processes(tmp_path, case)
+    if case == "clean":
+        assert [o.get("step") for o in outs] == [30, 30]
+        assert [o["errors"] for o in outs] == [[], []]
+        return
+    last_process, last_device = outs[0]["devices"][-1]
+    assert last_process == 1
+    for out in outs:
+        message, leaf, step, process, device = out["error"]
+        assert (leaf, step, process, device) == ("w", 15, 1, last_device), message
+        assert (f"the copy of leaf 'w' on device {last_device} of process 1 " in message
+                and "differs from the other 3 of its 4 copies" in message
+                and "the last check that passed: step 10" in message), message
+    assert outs[0]["errors"] == ["loopkit: " + outs[0]["error"][0]]
+    from loopkit.plugins.goodput.records import Fault, read_records
+
+    faults = [(f.cause, f.step, f.process, f.device) for f in read_records(tmp_path / "run")
+              if isinstance(f, Fault)]
+    assert faults == [("sdc", 15, 1, last_device)]  # one line, the chief's
