@@ -8,6 +8,7 @@ from typing import Any, Callable, Iterable
 
 from loopkit.config import Config
 from loopkit.loop.coordinator import add_note, has_origin
+from loopkit.loop.scheduler import end_of_data
 from loopkit.loop.session import Session
 from loopkit.supervisor import Supervisor
 
@@ -70,7 +71,9 @@ def _loop(session: Session) -> None:
         try:
             batch = next(it)
         except StopIteration:
-            coord.request_stop(reason="data_exhausted")
+            if end_of_data(session):  # a plugin went back: the batches it set come next
+                it = session.batches()
+                continue
             break
         except BaseException as ex:
             _name_the_step(session, ex)

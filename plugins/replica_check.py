@@ -290,7 +290,7 @@ class ReplicaCheck:
             raise error
         state, to, where, restored = restore_before(session, self.passed + 1, error)
         end, first = inp.consumed(session.step), to + inp.offset
-        session.rewind(to, state)
+        session.rewind(to, state, again=True)
         assert self.rereader is not None
         self.rereader.train_again(session, first, end, restored)
         inp.skipped.append((first, first))  # skips nothing, counts as a rollback

@@ -168,6 +168,7 @@ class Replay:
         self.side: Iterator[Any] | None = None
         self.positions: dict[int, Any] = {}
         self.end = 0  #: batches `main` has consumed while `side` is read
+        self.left = 0  #: batches of `side` not taken yet (the read-ahead counts them)
 
     def __iter__(self) -> Replay:
         return self
@@ -176,9 +177,11 @@ class Replay:
         side = self.side
         if side is not None:
             try:
-                return next(side)
+                batch = next(side)
+                self.left -= 1
+                return batch
             except StopIteration:
-                self.side, self.positions = None, {}
+                self.side, self.positions, self.left = None, {}, 0
         return next(self.main)
 
 
@@ -215,7 +218,7 @@ class Rereader:
         None for the initial state)."""
         inp = session.input
         self.replay.side = self._batches(inp, first, end, session.step, restored)
-        self.replay.positions, self.replay.end = {}, end
+        self.replay.positions, self.replay.end, self.replay.left = {}, end, end - first
 
     def _batches(self, inp: Input, first: int, end: int, step: int,
                  restored: Any) -> Iterator[Any]:

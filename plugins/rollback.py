@@ -111,6 +111,19 @@ class RollbackGuard(NanGuardPlugin):
                 self._agreed(session)
 
     @hookimpl
+    def on_data_end(self, session: Session) -> None:
+        """The last step's value is checked now, while going back is still possible
+        (every process is here, at one step, with several)."""
+        if self.vote is None:
+            pending, self._pending = self._pending, None
+            bad = None if pending is None else self._check(*pending)
+            if bad is not None:
+                self._bad(session, bad)
+        else:
+            self.vetoes(session)
+            self._agreed(session)
+
+    @hookimpl
     def on_stop(self, session: Session, error: BaseException | None) -> None:
         if self.vote is not None and error is None:
             # a stop agreed before the vote: every process raises the earliest bad value
@@ -238,7 +251,8 @@ class RollbackGuard(NanGuardPlugin):
         inp.offset = consumed - to
         inp.skipped.append((first, consumed))
         if inp.replay is not None:
-            inp.replay.side = None  # a replay under way ends here: its batches are skipped
+            # a replay under way ends here: its batches are skipped
+            inp.replay.side, inp.replay.left = None, 0
         self._pending = None
         if self.window is not None:
             self.window.clear()  # as a restart from this checkpoint would have it
@@ -257,7 +271,7 @@ class RollbackGuard(NanGuardPlugin):
         state, to, where, restored = restore_before(session, error.step, error)
         end = inp.consumed(session.step)
         first = to + inp.offset
-        session.rewind(to, state)
+        session.rewind(to, state, again=True)
         assert self.rereader is not None
         self.rereader.train_again(session, first, end, restored)
         inp.skipped.append((first, first))  # skips nothing, counts as a rollback

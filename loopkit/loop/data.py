@@ -114,6 +114,7 @@ class Lookahead:
     """
 
     def __init__(self, inp: Input) -> None:
+        self._inp = inp
         self._it = inp.iterator
         self._buf: collections.deque[Any] = collections.deque()
         self._ended = False
@@ -147,6 +148,13 @@ class Lookahead:
                 break
             buf.append(batch if source is None else (batch, snapshot_state(source)))
         return len(buf)
+
+    def supply(self, n: int) -> int:
+        """`fill`, counting the batches a plugin set to be trained again in front
+        (`Input.replay`'s ``left``): the agreement's view of the batches held."""
+        replay = self._inp.replay
+        front = 0 if replay is None else replay.left
+        return front + self.fill(max(0, n - front))
 
     def position(self, step: int) -> Any:
         """The source's state after the last batch the loop took."""

@@ -99,7 +99,7 @@ class Scheduler:
         self.next_step: float = NEVER
         self.next_time: float = NEVER
         self.stop_step: float = NEVER
-        self.on_stop_step: Callable[[], None] | None = None
+        self.on_stop_step: Callable[[], "bool | None"] | None = None
         self._stop_at_data_end = False  # stop_step is where some process's data ends
         #: the multi-process `Agreement`, or None in a single process
         self.agreement: Agreement | None = None
@@ -140,13 +140,13 @@ class Scheduler:
         self._recompute()
         return timer
 
-    def set_stop_step(self, step: float, callback: Callable[[], None]) -> None:
+    def set_stop_step(self, step: float, callback: Callable[[], "bool | None"]) -> None:
         self.stop_step = step
         self.on_stop_step = callback
         self._stop_at_data_end = False
         self._recompute()
 
-    def stop_by(self, step: int, callback: Callable[[], None]) -> None:
+    def stop_by(self, step: int, callback: Callable[[], "bool | None"]) -> None:
         """Stop at `step` if that comes before the stop already set (data that runs out)."""
         if step < self.stop_step:
             self.set_stop_step(step, callback)
@@ -176,7 +176,8 @@ class Scheduler:
         """The session went `back` steps, to `step` (a rollback; many processes do it at
         the same step): step triggers fire at their multiples from there again; the
         next agreement comes an interval from there (the read-ahead covers no more),
-        and a stop where the data ends comes `back` steps sooner."""
+        and a stop where the data ends comes `back` steps sooner (0 when the undone
+        steps' batches are trained again)."""
         for t in self.timers:
             if t.steps and not t.once and not t.cancelled:
                 t.next_step = (step // t.steps + 1) * t.steps
@@ -199,8 +200,8 @@ class Scheduler:
     def run_due(self, session: Any, step: int) -> None:
         """Run the actions due at `step`, in registration order, then re-arm them."""
         if step >= self.stop_step:
-            if self.on_stop_step is not None:
-                self.on_stop_step()
+            if self.on_stop_step is not None and self.on_stop_step():
+                return  # the session went back (`end_of_data`) and trains on
             self.next_step = self.next_time = NEVER
             return
         now = self.clock()
@@ -266,7 +267,7 @@ class Agreement:
     _: dataclasses.KW_ONLY
     error_pending: Callable[[], int | None] = lambda: None
     on_error: Callable[[int], None] = lambda process: None
-    on_exhausted: Callable[[int], None] = lambda step: None
+    on_exhausted: Callable[[int], None] = lambda step: None  # (`end_of_data`)
     supply: Callable[[int], int] | None = dataclasses.field(default=None, init=False)
     next_step: float = dataclasses.field(default=NEVER, init=False)
 
@@ -356,6 +357,19 @@ def agree_across_processes(session: Any, coord: Any, sched: Scheduler,
         lambda: coord.request_stop(reason="signal"), clock,
         error_pending=lambda: jax.process_index() if coord.error_pending is not None else None,
         on_error=on_error,
-        on_exhausted=lambda at: sched.stop_by(
-            at, lambda: coord.request_stop(reason="data_exhausted")),
+        on_exhausted=lambda at: sched.stop_by(at, lambda: end_of_data(
+            session, lambda: sched.stop_step <= session.step)),
     ), session.step)
+
+
+def end_of_data(session: Any, at_end: Callable[[], bool] = lambda: False) -> bool:
+    """The data ran out after `session.step` (with several processes: every process,
+    at this step). The `on_data_end` hook may go back (a rollback of the last step's
+    bad value): True when one did and batches remain (`at_end()` is False: a replay,
+    or one process, whose reader tells), and the loop trains on; else the stop."""
+    step = session.step
+    session.hook.on_data_end(session=session)
+    if session.step < step and not at_end():
+        return True
+    session.coord.request_stop(reason="data_exhausted")
+    return False

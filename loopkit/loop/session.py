@@ -25,9 +25,7 @@ from loopkit.process.logdir_lock import LogdirLock
 from loopkit.process.import_ahead import import_ahead
 from loopkit.state.opening import recover_or_init
 from loopkit.process.run_status import error_fields, update_status, write_status
-from loopkit.loop.scheduler import (
-    RunningAction, Scheduler, Timer, agree_across_processes, noted,
-)
+from loopkit.loop.scheduler import RunningAction, Scheduler, Timer, agree_across_processes, noted
 from loopkit.loop.stash import Stash, StashKey
 from loopkit.state.staging import Staged
 from loopkit.loop.step import CompiledStep
@@ -135,10 +133,11 @@ class Session:
         if self._compiled is not None:
             self._compiled.set_state(new)
 
-    def rewind(self, step: int, state: PyTree) -> None:
-        """Go back to `state` at `step` (a rollback); step timers re-armed from there."""
+    def rewind(self, step: int, state: PyTree, again: bool = False) -> None:
+        """Go back to `state` at `step` (a rollback; `again`: the undone steps' batches are
+        trained again, else skipped); step timers re-armed from there."""
         back, self.state, self.step = self.step - step, state, step
-        self._sched.rewind(step, back)
+        self._sched.rewind(step, 0 if again else back)
 
     @property
     def clock(self) -> Callable[[], float]:
@@ -200,15 +199,15 @@ class Session:
         self.coord.request_stop(ex, agreed=agreed)
 
     def batches(self) -> Iterator[Any]:
-        """The iterator `train`'s loop reads: `input.iterator`, read ahead in a
-        multi-process run so that every process stops after the last step all of
-        them have a batch for (the first agreement round runs now)."""
+        """The iterator `train`'s loop reads: `input.iterator`, read ahead with several
+        processes so that all stop after the last step each has a batch for (the
+        first agreement round runs now)."""
         inp = self.input
         assert inp is not None
         if self._sched.agreement is not None and not self.coord.stopped:
             ahead = Lookahead(inp)
             inp.read_with(ahead.reader(inp))
-            self._sched.read_ahead(ahead.fill, self, self.step)
+            self._sched.read_ahead(ahead.supply, self, self.step)
         if inp.replay is not None:  # a plugin asked to train batches again in front
             inp.replay.main = inp.iterator
             return inp.replay

@@ -107,6 +107,21 @@ def on_stop(session: SessionView, error: BaseException | None) -> None:
     """
 
 
+@hookspec
+def on_data_end(session: SessionView) -> None:
+    """The data ran out after ``session.step``'s step; the stop comes next.
+
+    With several processes every process is called at the same step (the end is
+    agreed ahead). An implementation may go back (`Session.rewind`): the
+    ``nan_guard`` built-in rolls back a bad value of the last step here, which a
+    check one step late would otherwise see only at the stop. The loop then
+    trains on from there (the batches a replay set come first) until the data
+    runs out again.
+
+    :param session: the `loopkit.Session`, after the last step's `after_step`.
+    """
+
+
 @hookspec(historic=True)
 def plugin_registered(plugin: Any, manager: pluggy.PluginManager) -> None:
     """A plugin was registered with the session's plugin manager.

@@ -29,7 +29,7 @@ def test_hook_order_and_arguments_over_a_run():
     assert rec.names() == [
         "session_open", "restore_state", "init_state", "local_init", "step_carry", "session_create",
         "input_reader", "before_step", "after_step", "before_step", "after_step", "before_step", "after_step",
-        "on_stop",
+        "on_data_end", "on_stop",  # the data ran out: the stop follows
     ]
     assert [c.kwargs["step"] for c in rec.calls("before_step")] == [0, 1, 2]
     assert [c.kwargs["step"] for c in rec.calls("after_step")] == [1, 2, 3]

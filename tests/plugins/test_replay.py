@@ -171,3 +171,50 @@ def test_replay_with_a_plain_list_is_refused_at_start_up(tmp_path):
     with pytest.raises(ValueError, match=r"Config.on_guard='replay' cannot be used with a "
                                          r"plain iterable"):
         run(tmp_path, [(np.int32(i), value(i)) for i in range(N)])
+
+
+def finite(end=N, poison=(), skip=(0, 0)):
+    """`source`, ending after batch `end` - 1 (the run stops when its data runs out)."""
+    whole = source(poison, skip)
+
+    def data(start):
+        for _, batch in zip(range(start, end - (skip[1] - skip[0])), whole(start)):
+            yield batch
+    return data
+
+
+class FiniteStateful(Stateful):
+    def __next__(self):
+        if self.i >= N:
+            raise StopIteration
+        return super().__next__()
+
+
+@pytest.mark.parametrize("kind", ["callable", "stateful"])
+def test_a_machine_fault_at_the_last_batch_of_the_data_is_replayed_not_raised(tmp_path, kind):
+    # the data ends at batch N - 1, whose first run gives NaN: the guard sees it only when
+    # the data has run out, which must not be too late to go back (nor save the bad state)
+    data = finite() if kind == "callable" else FiniteStateful()
+    replayed = run(tmp_path / "a", data, step=FlakyStep(bad=N - 1), max_steps=None)
+    clean = run(tmp_path / "b", finite() if kind == "callable" else FiniteStateful(),
+                on_guard="raise", max_steps=None)
+    assert (replayed.stop_reason, clean.stop_reason) == ("data_exhausted", "data_exhausted")
+    same_bits(replayed, clean)
+    assert [f[:2] for f in faults(tmp_path / "a")] == [("compute", N)]
+    assert loopkit.latest_checkpoint(tmp_path / "a")[0] == N
+
+
+@pytest.mark.parametrize("on_guard", ["rollback", "replay"])
+def test_a_bad_last_batch_of_the_data_is_skipped_and_equals_a_run_without_it(tmp_path, on_guard):
+    rec = Rollbacks()
+    got = run(tmp_path / "a", finite(poison={N - 1}), plugins=[rec], on_guard=on_guard,
+              max_steps=None)
+    # saves every 5: back to step 25, batches [25, 30) skipped; the data has no more
+    clean = run(tmp_path / "b", finite(skip=(N - 5, N)), on_guard="raise", max_steps=None)
+    assert got.stop_reason == "data_exhausted" and clean.step == N - 5
+    same_bits(got, clean)
+    assert rec.records[-1] == (N, N - 5, (N - 5, N))
+    # the checkpoint of the bad step is gone: a restart resumes from a good state
+    assert loopkit.latest_checkpoint(tmp_path / "a")[0] == N - 5
+    again = run(tmp_path / "a", finite(poison={N - 1}), on_guard=on_guard, max_steps=None)
+    same_bits(again, clean)

@@ -454,3 +454,36 @@ def test_a_bad_value_on_one_of_two_processes_before_a_durable_save_rolls_both_ba
             r = run(tmp_path / f"clean-{first}-{end}", source(skip=(first, end)))
             clean[first, end] = np.asarray(r.state["w"]).tobytes().hex()
         assert finals[0] == finals[1] == (clean[first, end], str(N)), k
+
+
+@pytest.mark.timeout(240)
+def test_a_bad_value_near_the_end_of_two_processes_data_rolls_back_and_trains_to_its_end(
+        tmp_path):
+    """Finite data (30 batches) on two processes, so the end is agreed ahead: a bad value
+    at the last step is rolled back, not raised at the stop; and a replay near the end
+    trains the batches again to the data's end, not `back` steps short of it."""
+    import json
+
+    # [bad process, bad step, saves every, secs, the data's end, on_guard]
+    cases = [[1, 30, 5, None, 30, "rollback"], [1, 30, 5, None, 30, "replay"],
+             [0, 27, 5, None, 30, "replay"], [1, 27, 5, None, 30, "rollback"]]
+    port = free_port()
+    worker = os.path.join(os.path.dirname(__file__), "..", "workers", "rollback_worker.py")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    ran = run_processes(lambda i: [sys.executable, worker, str(tmp_path), str(i), str(port),
+                                   json.dumps(cases)], tmp_path, env=env, timeout=200)
+    texts = [t for _, t in ran]
+    assert [rc for rc, _ in ran] == [0, 0], [t[-3000:] for t in texts]
+    for k, (_, bad, _, _, end, on_guard) in enumerate(cases):
+        rolls = [re.findall(rf"^ROLLBACK {k} (\d+) (\d+) (\d+) (\d+)$", t, re.M) for t in texts]
+        assert rolls[0] == rolls[1], (k, rolls)  # together
+        got = [tuple(map(int, r)) for r in rolls[0]]
+        replayed = [(bad, 25, 25, 25)] if on_guard == "replay" else []  # the replay first
+        # then skipped: the batches from the checkpoint to the agreed step (the vote's)
+        skip_end = got[-1][3]
+        assert got == replayed + [(bad, 25, 25, skip_end)] and bad <= skip_end <= end, k
+        steps = end - (skip_end - 25)  # the data, without the skipped batches, to its end
+        finals = [re.search(rf"^W {k} (\w+) (\d+)$", t, re.M).groups() for t in texts]
+        clean = run(tmp_path / f"clean-{k}", source(skip=(25, skip_end)), max_steps=steps)
+        want = (np.asarray(clean.state["w"]).tobytes().hex(), str(steps))
+        assert finals[0] == finals[1] == want, (k, finals)

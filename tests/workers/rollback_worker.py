@@ -3,7 +3,8 @@ process, for tests/plugins/test_rollback.py.
 
     python rollback_worker.py BASE PROCESS_ID PORT CASES
 
-CASES is a JSON list of [bad_process, bad_step, save_steps, save_secs]: each case is a
+CASES is a JSON list of [bad_process, bad_step, save_steps, save_secs] (and, optionally,
+the batch the data ends before and the `on_guard`): each case is a
 run in BASE/run-<k> whose batch bad_step - 1 is NaN on bad_process only, so that its
 state (a host-local replica) and its loss go non-finite there while the other
 process's stay good. One `jax.distributed` start serves every case: a case costs
@@ -34,10 +35,12 @@ def main():
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "plugins"))
     from test_rollback import N, init, step_fn, value
 
-    for k, (bad_process, bad_step, save_steps, save_secs) in enumerate(cases):
-        def data(start, poisoned=bad_step - 1 if me == bad_process else None):
+    for k, (bad_process, bad_step, save_steps, save_secs, *rest) in enumerate(cases):
+        end, on_guard = rest if rest else (None, "rollback")
+
+        def data(start, poisoned=bad_step - 1 if me == bad_process else None, end=end):
             i = start
-            while True:
+            while end is None or i < end:
                 yield np.float32("nan") if i == poisoned else value(i)
                 i += 1
 
@@ -53,9 +56,10 @@ def main():
             lambda s, b: (time.sleep(0.005), step_fn(s, b))[1])
         try:
             r = loopkit.train(step, init=init, data=data, logdir=os.path.join(base, f"run-{k}"),
-                              max_steps=N, save_model_steps=save_steps,
-                              save_model_secs=save_secs, nan_guard="loss",
-                              on_guard="rollback", progress=False, plugins=[Rec()])
+                              max_steps=N if end is None else None,
+                              save_model_steps=save_steps, save_model_secs=save_secs,
+                              nan_guard="loss", on_guard=on_guard, progress=False,
+                              plugins=[Rec()])
         except Exception as e:  # noqa: BLE001 - reported, then the job ends
             print("ERROR", k, type(e).__name__, str(e).replace("\n", " | "), flush=True)
             sys.exit(1)
