@@ -46,9 +46,17 @@ def where(frames: list[FrameType]) -> str:
     return "unknown"
 
 
-def _has(frames: list[FrameType], file: str, name: str) -> bool:
-    return any(f.f_code.co_filename.endswith(file) and f.f_code.co_name == name
-               for f in frames)
+def _has(frames: list[FrameType], function: Any) -> bool:
+    """Whether `function` (loopkit's own: its code object, not a file name a user's
+    module could share) is on the stack."""
+    code = function.__code__
+    return any(f.f_code is code for f in frames)
+
+
+def _step_file() -> str:
+    import loopkit.loop.step
+
+    return loopkit.loop.step.__file__
 
 
 def _in_jax(f: FrameType) -> bool:
@@ -68,7 +76,7 @@ def _inside(frames: list[FrameType], hooks: bool = True) -> str:
         return f"in a hook, at {at}"
     if jax_frames:
         return f"inside JAX, at {at}"
-    if frames and frames[0].f_code.co_filename.endswith("loopkit/loop/step.py"):
+    if frames and frames[0].f_code.co_filename == _step_file():
         # the jitted call runs in JAX's C++ fast path: no Python frame of JAX's
         return f"inside the jitted step (the device, or a collective in it), at {at}"
     return f"at {at}"
@@ -102,14 +110,18 @@ def place(session: Any, first: bool) -> str:
     """Where the loop is stuck, in words: "waiting for the first batch: the prefetch
     thread is inside the data source, at data (train.py:12)". `first`: before the
     session's first step completed (then `session.phase` says what the start-up did)."""
+    from loopkit.loop.session import Session
+    from loopkit.plugins.prefetch import Feed
+    from loopkit.train import _loop
+
     frames = _stack(threading.main_thread())
     batch = "the first batch" if first else f"the batch of step {session.step + 1}"
-    if _has(frames, "loopkit/loop/session.py", "run"):
+    if _has(frames, Session.run):
         doing = "running the first step" if first else f"running step {session.step + 1}"
         return f"{doing}: {_inside(frames)}"
-    if _has(frames, "prefetch.py", "_wait_for_batch"):
+    if _has(frames, Feed._wait_for_batch):
         return f"waiting for {batch}: {_prefetch(session.config.data_transform)}"
-    if _has(frames, "loopkit/train.py", "_loop"):
+    if _has(frames, _loop):
         inner = _inside(frames)
         if inner.startswith("at "):  # train's loop reads the source itself
             return f"waiting for {batch}: the main thread is inside the data source, " \
