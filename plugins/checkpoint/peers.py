@@ -136,6 +136,8 @@ class Peers:
         self.from_peer = False
         #: (step, seconds, bytes) of each completed copy to a peer, for benchmarks
         self.copies: list[tuple[int, float, int]] = []
+        #: (seconds, bytes) of this process's part received from a peer (`fetch`), or None
+        self.received: tuple[float, int] | None = None
         self._sources: dict[int, list[int]] = {}
         self._addresses: dict[int, dict] = {}
         self._lock = threading.Condition()
@@ -302,5 +304,6 @@ class Peers:
             return
         t0 = time.perf_counter()
         size = fetch_part(self._address(source), self.me, step, self.part(self.me, step))
+        self.received = (time.perf_counter() - t0, size)
         log.info("loopkit: received this process's part of local step %d from process %d "
-                 "(%d bytes in %.2f s)", step, source, size, time.perf_counter() - t0)
+                 "(%d bytes in %.2f s)", step, source, size, self.received[0])
