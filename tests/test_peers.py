@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import re
 import shutil
 import subprocess
 import sys
@@ -15,6 +16,8 @@ import numpy as np
 import pytest
 
 import loopkit
+
+from bucket_servers import one_store, s3_endpoint, store  # noqa: F401 - fixtures
 
 
 def _distributed():
@@ -100,6 +103,111 @@ def test_a_replaced_machine_resumes_from_its_peer_bitwise(tmp_path):
     restored = [r for r in sessions(run) if r["restored_step"] is not None]
     assert [(r["restored_step"], r["restored_tier"]) for r in restored] == [(12, "peer")]
     assert min(max(copies(local, 0, 1)), max(copies(local, 1, 0))) > 12  # copying went on
+
+
+class Requests(logging.Handler):
+    """The requests the in-process S3 server (moto, on werkzeug) answers, from its own
+    request log: (method, path)."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.seen = []
+
+    def emit(self, record):
+        if m := re.search(r'"([A-Z]+) (\S+) HTTP/[0-9.]+"', record.getMessage()):
+            self.seen.append((m.group(1), m.group(2)))
+
+    def __enter__(self):
+        self.logger = logging.getLogger("werkzeug")
+        self.was = self.logger.level
+        self.logger.setLevel(logging.INFO)
+        self.logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        self.logger.removeHandler(self)
+        self.logger.setLevel(self.was)
+
+
+@pytest.fixture
+def default_lease(monkeypatch):
+    """The lease's default settings: a killed job's restart takes its lease over at once
+    (the processes inherit this environment; no job id of the test runner's own)."""
+    from loopkit.process.logdir_lock import JOB_ENVS
+
+    for name in ("LOOPKIT_LEASE_RENEW_SECS", *JOB_ENVS):
+        monkeypatch.delenv(name, raising=False)
+
+
+@one_store("s3")
+def test_a_replaced_machine_resumes_from_its_peer_with_the_durable_tier_on_s3(
+        store, tmp_path, default_lease):
+    """The same with the durable tier on the local S3 server: the restart reads none of
+    the durable checkpoint's objects, counted on the server (its request log: no GET of
+    any key under the checkpoint's prefix; listings, existence checks and the
+    `checkpoint` file aside), and those objects are gone besides (deleted, the commit
+    marker aside, so the step still counts as committed): a read would fail."""
+    full, run, local = (tmp_path / n for n in ("full", "run", "local"))
+    for x in (full, run):
+        x.mkdir()
+    url = store.url("run")
+    d.finish(d.start(full, full, 2, 30, *COMMON, devices=2))
+    tiers = ("--local-dir", str(local), "--local-replicas", "1",
+             *plans(run / "plan", ["crash 14", "ok"], ["crash 14", "ok"]))
+    d.finish(d.start(url, run, 2, 30, *COMMON, *tiers, devices=2), ok=False)  # SIGKILLed
+    assert loopkit.latest_checkpoint(url)[0] == 10
+    assert 12 in copies(local, 0, 1)
+    shutil.rmtree(local / "process-1")  # a replaced machine
+    prefix = "run/model.ckpt-10/"
+    objects = [k for k in store.objects(prefix) if not k.endswith("/commit_success.txt")]
+    assert objects, store.objects("run/")
+    store.fs.rm([f"{store.bucket}/{k}" for k in objects])
+
+    with Requests() as served:
+        outs = d.finish(d.start(url, run, 2, 30, *COMMON, *tiers, devices=2))
+    assert ready(outs) == [(12, "peer", 12)] * 2, outs
+    assert all("RESULT 30 max_steps" in out for _, out, _ in outs), outs
+    for k in ("w", "b"):
+        assert d.load(run / "p0.npz")[k].tobytes() == d.load(full / "p0.npz")[k].tobytes(), k
+    path = f"/{store.bucket}/{prefix}"
+    assert any(m == "GET" and p.startswith(f"/{store.bucket}/run/checkpoint")
+               for m, p in served.seen), served.seen  # the log saw this job's requests
+    read = [(m, p) for m, p in served.seen if m == "GET" and p.startswith(path)]
+    assert read == [], read
+    restored = [r for r in sessions(url) if r["restored_step"] is not None]
+    assert [(r["restored_step"], r["restored_tier"]) for r in restored] == [(12, "peer")]
+
+
+def test_a_peer_killed_while_copying_leaves_no_partial_copy_counted(tmp_path):
+    """Process 1 is SIGKILLed while its part of local step 15 is on its way to process
+    0 (one file arrived), then the job, and process 1's machine is replaced: the partial
+    copy, under a temporary name, is not counted (step 15 has no complete part of
+    process 1 anywhere); the job resumes from step 12, complete through process 0's
+    copy, bitwise equal to a run never interrupted, and the partial copy is removed."""
+    full, run, local = (tmp_path / n for n in ("full", "run", "local"))
+    for x in (full, run):
+        x.mkdir()
+    d.finish(d.start(full, full, 2, 30, *COMMON, devices=2))
+    tiers = ("--local-dir", str(local), "--local-replicas", "1")
+    procs = d.start(run, run, 2, 30, *COMMON, *tiers, "--die-copying", "1:15", devices=2)
+    try:
+        procs[1].wait(timeout=d.TIMEOUT)
+    finally:
+        procs[0].kill()  # the rest of the job, as a scheduler restarting it would
+    outs = d.finish(procs, ok=False)
+    assert "DYING copying 15" in outs[1][1], outs
+    held = local / "process-0" / "peer-1"
+    partial = [p.name for p in held.iterdir() if p.name.startswith(".model.ckpt-15.incoming-")]
+    assert partial and 15 not in copies(local, 0, 1) and 12 in copies(local, 0, 1), \
+        sorted(p.name for p in held.iterdir())
+    assert 15 in d.local_steps(local / "process-1")  # committed by its owner, then lost
+    shutil.rmtree(local / "process-1")  # a replaced machine
+
+    outs = d.finish(d.start(run, run, 2, 30, *COMMON, *tiers, devices=2))
+    assert ready(outs) == [(12, "peer", 12)] * 2, outs
+    for k in ("w", "b"):
+        assert d.load(run / "p0.npz")[k].tobytes() == d.load(full / "p0.npz")[k].tobytes(), k
+    assert not any(p.name.startswith(".") for p in held.iterdir())  # removed at the start
 
 
 def test_four_processes_resume_from_peers_until_two_neighbours_are_lost(tmp_path):

@@ -1,8 +1,8 @@
 """Moving a process's part of a local checkpoint between processes, over the job's network.
 
 Each process of a job with `Config.local_replicas` runs a `PartServer`: a small HTTP
-server on an ephemeral port of the address this host uses to reach the
-`jax.distributed` coordinator, answering only requests that carry the job's random
+server on an ephemeral port of an address the other hosts reach (`peers.server_host`),
+answering only requests that carry the job's random
 token (published with the address in `jax.distributed`'s key-value store, which only
 the job's processes read). It serves the parts this process holds (its own, and its
 peer copies) and receives the peer copies others push to it. Files move in chunks
@@ -114,20 +114,22 @@ def background() -> None:
 
 
 class PartServer:
-    """Serves the parts under `root` and receives peer copies into it.
+    """Serves the parts under `root` and receives peer copies into it, listening on
+    `listen` (default `host`), reached by its peers at `host` (`address`).
 
     `locate(owner, step)`: the directory of owner `owner`'s part of `step` here (its own
     or a peer copy); `received(owner, step)`: called once a peer copy is in place
     (retention)."""
 
     def __init__(self, host: str, locate: Callable[[int, int], Path],
-                 received: Callable[[int, int], None]) -> None:
+                 received: Callable[[int, int], None], listen: str | None = None) -> None:
         self.token = secrets.token_hex(16)
         self.locate, self.received = locate, received
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        listen = host if listen is None else listen
+        family = socket.AF_INET6 if ":" in listen else socket.AF_INET
         server_class = type("Server", (ThreadingHTTPServer,),
                             {"address_family": family, "daemon_threads": True})
-        self.httpd = server_class((host, 0), _handler(self))
+        self.httpd = server_class((listen, 0), _handler(self))
         self.address = {"host": host, "port": self.httpd.server_address[1],
                         "token": self.token}
         self._thread = threading.Thread(target=self.httpd.serve_forever,
@@ -144,6 +146,9 @@ def _handler(server: PartServer) -> type[BaseHTTPRequestHandler]:
     # closes over
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # one connection for every file of a part
+        # the header and a small file's body go in two writes: with Nagle's algorithm the
+        # second waits for the client's delayed ACK, ~40 ms per file (measured)
+        disable_nagle_algorithm = True
 
         def log_message(self, *args: object) -> None:  # the run's log is not an access log
             pass
@@ -162,7 +167,8 @@ def _handler(server: PartServer) -> type[BaseHTTPRequestHandler]:
             self.wfile.write(body)
 
         def _run(self, action: Callable[[str, dict[str, str], Path], None]) -> None:
-            background()
+            if self.command != "GET":  # a copy in the background of training gives way;
+                background()  # a part fetched is a restore every process waits for
             try:
                 action(*self._args())
                 return

@@ -20,8 +20,10 @@ every process reads its own part as without peers. Nothing of the durable tier i
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
+import os
 import re
 import shutil
 import socket
@@ -67,17 +69,56 @@ def open_peers(config: Any, own_dir: Path) -> Peers | None:
                  config.max_to_keep_local or None)
 
 
-def _own_host() -> str:
-    """The address by which this host reaches the coordinator: the one its peers reach."""
-    host, _, port = str(coordinator_address()).rpartition(":")
+#: the host name or address other processes reach this process's part server by, where
+#: the one found from the coordinator's address is wrong (a NAT, several networks)
+HOST_ENV = "LOOPKIT_PEER_HOST"
+_LOOPBACK = ("localhost", "localhost.localdomain")
+
+
+def server_host(coordinator: str | None) -> tuple[str, str]:
+    """(the address this process's part server listens on, the host its peers are told).
+
+    `HOST_ENV` when set (listening on every interface: the published name may be a NAT's).
+    Else the address this host reaches the coordinator (``host:port``) from, which its
+    peers reach it by, found by connecting a datagram socket (nothing is sent). That is a
+    loopback address when the coordinator is given as one (every process is on this
+    host), and also on the coordinator's own host when the name it is given by resolves
+    to loopback here (a hostname mapped to 127.0.1.1 in /etc/hosts, as Debian does, or
+    SLURM's node name): the other hosts resolve that name to the host's real address, so
+    that name is published and the server listens on every interface. Likewise when the
+    route cannot be found: this host's fully qualified name, every interface.
+    """
+    override = os.environ.get(HOST_ENV, "").strip()
+    if override:
+        return _every(override), override
+    host, _, port = str(coordinator or "127.0.0.1:0").rpartition(":")
     host = host.strip("[]")
+    if _is_loopback(host) or host.lower() in _LOOPBACK:
+        return host, host
     try:
-        family, kind, _, _, where = socket.getaddrinfo(host, int(port), type=socket.SOCK_DGRAM)[0]
+        family, kind, _, _, where = socket.getaddrinfo(host, int(port or 0),
+                                                       type=socket.SOCK_DGRAM)[0]
         with socket.socket(family, kind) as s:
             s.connect(where)  # a datagram socket: nothing is sent
-            return str(s.getsockname()[0])
+            own = str(s.getsockname()[0])
     except OSError:
-        return socket.gethostbyname(socket.gethostname())
+        name = socket.getfqdn()
+        return _every(name), name
+    if _is_loopback(own):  # the coordinator's host, by a name that is loopback here
+        return _every(own), host
+    return own, own
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def _every(host: str) -> str:
+    """The wildcard address of `host`'s family: every interface."""
+    return "::" if ":" in host else "0.0.0.0"
 
 
 def _client() -> Any:
@@ -95,6 +136,8 @@ class Peers:
         self.from_peer = False
         #: (step, seconds, bytes) of each completed copy to a peer, for benchmarks
         self.copies: list[tuple[int, float, int]] = []
+        #: (seconds, bytes) of this process's part received from a peer (`fetch`), or None
+        self.received: tuple[float, int] | None = None
         self._sources: dict[int, list[int]] = {}
         self._addresses: dict[int, dict] = {}
         self._lock = threading.Condition()
@@ -103,7 +146,8 @@ class Peers:
         self._closing = False
         for d in [self.own_dir, *self._peer_dirs()]:
             remove_incoming(d)
-        self.server = PartServer(_own_host(), self.part, self._received)
+        listen, host = server_host(coordinator_address())
+        self.server = PartServer(host, self.part, self._received, listen=listen)
         _client().key_value_set(KEY.format(self.me), json.dumps(self.server.address),
                                 allow_overwrite=True)
         self._thread = threading.Thread(target=self._copy_loop, daemon=True,
@@ -260,5 +304,6 @@ class Peers:
             return
         t0 = time.perf_counter()
         size = fetch_part(self._address(source), self.me, step, self.part(self.me, step))
+        self.received = (time.perf_counter() - t0, size)
         log.info("loopkit: received this process's part of local step %d from process %d "
-                 "(%d bytes in %.2f s)", step, source, size, time.perf_counter() - t0)
+                 "(%d bytes in %.2f s)", step, source, size, self.received[0])

@@ -3,9 +3,11 @@ sender process SIGKILLed in the middle of a copy."""
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -105,3 +107,41 @@ def test_the_server_answers_only_the_job_and_only_inside_its_parts(tmp_path, ser
         conn.send("POST", "/commit", {"owner": 0, "step": 7, "tag": "ab", "files": 3,
                                       "bytes": 2}).read()
     assert sorted(p.name for p in (server.held / "peer-0").iterdir()) == ["model.ckpt-5"]
+
+
+def test_the_published_address_is_one_other_hosts_reach(tmp_path, monkeypatch):
+    """The server's address comes from the coordinator's: loopback only when the
+    coordinator is given as loopback (every process on this host); a name that resolves
+    to loopback here only (the coordinator's own host, its name mapped to 127.0.1.1 in
+    /etc/hosts) is published as that name, which other hosts resolve to this host's real
+    address, with the server on every interface; `LOOPKIT_PEER_HOST` overrides."""
+    from loopkit.plugins.checkpoint.peers import HOST_ENV, server_host
+
+    monkeypatch.delenv(HOST_ENV, raising=False)
+    assert server_host("127.0.0.1:1234") == ("127.0.0.1", "127.0.0.1")
+    assert server_host("localhost:1234") == ("localhost", "localhost")
+    assert server_host("[::1]:1234") == ("::1", "::1")
+    # "127.1" is no loopback literal, yet resolves to 127.0.0.1: a name loopback here,
+    # as the hostname of a Debian host is (and this host's own name, where it is)
+    names = ["127.1"] + [n for n in {socket.gethostname()}
+                         if ipaddress.ip_address(socket.gethostbyname(n)).is_loopback]
+    for name in names:
+        assert server_host(f"{name}:1234") == ("0.0.0.0", name), name
+    # the routed case: the address of the interface toward the coordinator (a TEST-NET
+    # address, nothing sent), never a loopback one; no route at all: this host's name
+    listen, host = server_host("192.0.2.1:1234")
+    assert listen in (host, "0.0.0.0") and not host.startswith("127."), (listen, host)
+
+    monkeypatch.setenv(HOST_ENV, "node-7.cluster")
+    assert server_host("127.0.0.1:1234") == ("0.0.0.0", "node-7.cluster")
+
+    # a server on every interface, published by a name: reached through it
+    s = PartServer("localhost", lambda owner, step: tmp_path / "held" / f"model.ckpt-{step}",
+                   lambda owner, step: None, listen="0.0.0.0")
+    try:
+        assert s.address["host"] == "localhost"
+        part = make_part(tmp_path / "own", 1000)
+        push_part(s.address, part, 0, 5)
+        assert tree(tmp_path / "held" / "model.ckpt-5") == tree(part)
+    finally:
+        s.close()

@@ -28,6 +28,8 @@ of STEP raises FileNotFoundError (an object of it missing: its content is wrong,
 is not an error of the store).
 --die-uploading P:STEP: under a URL logdir, process P SIGKILLs itself in the middle of
 uploading its part of the checkpoint of STEP (after its first object).
+--die-copying P:STEP: process P SIGKILLs itself in the middle of copying its part of the
+local checkpoint of STEP to its peer (after the first file has arrived there).
 """
 
 import argparse
@@ -65,6 +67,7 @@ def main():
     p.add_argument("--heartbeat-secs", type=int, default=100)
     p.add_argument("--local-dir", default=None)
     p.add_argument("--die-uploading", default=None)
+    p.add_argument("--die-copying", default=None)
     p.add_argument("--backend", default="orbax")
     p.add_argument("--fail-uploading", default=None)
     p.add_argument("--fail-local-save", default=None)
@@ -77,6 +80,10 @@ def main():
         who, step = map(int, args.die_uploading.split(":"))
         if who == args.process_id:
             die_uploading(step)
+    if args.die_copying is not None:
+        who, step = map(int, args.die_copying.split(":"))
+        if who == args.process_id:
+            die_copying(step)
     if args.fail_uploading is not None:
         who, step = map(int, args.fail_uploading.split(":"))
         if who == args.process_id:
@@ -272,6 +279,25 @@ def die_uploading(step, fail=False):
         os.kill(os.getpid(), signal.SIGKILL)
 
     storage.upload_tree = upload_then_die
+
+
+def die_copying(step):
+    """SIGKILL this process once the first file of its part of local step `step` has
+    reached its peer (the copy runs in the background: the loop is somewhere after the
+    local commit)."""
+    from loopkit.plugins.checkpoint import peer_transfer
+
+    send = peer_transfer._Connection.send
+
+    def send_then_die(self, method, path, query, body=None, length=0):
+        answer = send(self, method, path, query, body, length)
+        if method == "PUT" and int(query["step"]) == step:
+            answer.read()  # the peer has written that file
+            print(f"DYING copying {step}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return answer
+
+    peer_transfer._Connection.send = send_then_die
 
 
 def fail_downloading(step):
