@@ -92,6 +92,12 @@ def test_sigkill_during_saves_leaves_only_complete_checkpoints(name, tmp_path):
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_child_env())
         try:
             assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
+            # the first save has begun (the backend makes its directory then: orbax's
+            # import before it takes seconds on a loaded machine), then a kill anywhere
+            deadline = time.monotonic() + 120
+            while not directory.exists() and proc.poll() is None:
+                assert time.monotonic() < deadline, "no save began within 120 s"
+                time.sleep(0.01)
             time.sleep(rng.uniform(0.2, 1.2))
         finally:
             proc.send_signal(signal.SIGKILL)

@@ -161,8 +161,12 @@ def test_the_wait_for_the_first_batch_is_input_not_startup(tmp_path, prefetch):
                   checkpoint_backend="npz", prefetch=prefetch)
     report = loopkit.goodput(tmp_path)
     start = read_records(tmp_path)[0]
-    assert isinstance(start, Start) and start.input_secs >= wait
-    assert report.badput["input"] >= wait
+    # the wait booked is the loop's: with prefetch the thread asks for the first batch at
+    # session_create, so the part of the wait the rest of the start-up overlapped (the
+    # other services starting: a tenth of a second, more on a loaded machine) is not
+    overlap = 0.5 if prefetch else 0.0
+    assert isinstance(start, Start) and start.input_secs >= wait - overlap
+    assert report.badput["input"] >= wait - overlap
     # this process started before the test; its startup ends about when `train` was
     # called (the lock, the restore's look), not after the wait
     assert report.badput["startup"] < called - start.process_start + wait - 1.0
