@@ -9,10 +9,10 @@ lived, its local checkpoints with it) is the local tier's job, and so is a lost
 machine whose part a peer held (`Config.local_replicas`); the durable tier's
 interval follows only the others, the lost machines. Without a local tier every
 interruption is the durable tier's. Until a tier has had an interruption, the
-run's wall time so far (at least an hour) stands for its MTBI. The durable tier
-never saves more often than the local one (a durable save every few seconds
-beside a local tier only repeats its work). Each interval stays within the time
-a commit takes and an hour; the ones in force are logged, and written to
+run's wall time so far (at least an hour) stands for its MTBI. Until the durable
+save's cost is measured, its first save comes within a minute, or at the local
+tier's interval when that is sooner. Each interval stays within the time a
+commit takes and an hour; the ones in force are logged, and written to
 TensorBoard (``loopkit/save_model_secs``, ``loopkit/save_local_secs``), whenever
 they change.
 """
@@ -76,8 +76,10 @@ class AutoInterval:
                      report.process_deaths, _mtbi(report.local_mtbi_secs))
             _scalar(session, LOCAL_TAG, local)
         durable = report.suggested_save_secs
-        if self._local and local:
-            durable = max(durable, local)  # never more often than the local tier
+        if self._local and local and report.save_cost_secs is None:
+            # the first durable save measures the cost: as soon as a local save when
+            # that is sooner than a minute in
+            durable = min(durable, local)
         if _changed(self.interval, durable):
             self.interval = durable
             log.info('loopkit: save_model_secs="auto": saving every %.0f s (save cost %s, '
