@@ -153,6 +153,11 @@ def test_process_deaths_leave_the_durable_interval_and_a_lost_machine_shortens_i
     # `loopkit goodput` shows them apart
     text = format_report(loopkit.goodput(logdir))
     assert "process deaths 3 (the local tier's), lost machines 1" in text, text
+    from loopkit.plugins.goodput.report_html import render
+    from loopkit.plugins.goodput.timeline import build
+
+    page = render(build(logdir))  # `loopkit report`
+    assert 'data-name="process deaths / lost machines">3 / 1<' in page
 
 
 def test_local_auto_follows_the_process_deaths(tmp_path):
