@@ -40,13 +40,16 @@ class AutoInterval:
     """The checkpoint plugin's intervals under ``"auto"`` (`shared.IntervalPolicy`).
 
     `live`: this session's window not yet recorded (the goodput plugin's), so that a
-    save measured since the last window counts at once.
+    save measured since the last window counts at once. `record`: write that window
+    now (the goodput plugin's window), done once, when the ledger has no measured save
+    yet: a session killed before its next window would take the measurement with it,
+    and every restart would start from the unmeasured guess again.
     """
 
-    def __init__(self, session: Any,
-                 live: Callable[[Any], Record | None] | None = None) -> None:
+    def __init__(self, session: Any, live: Callable[[Any], Record | None] | None = None,
+                 record: Callable[[Any], None] | None = None) -> None:
         config = session.config
-        self._live = live
+        self._live, self._record = live, record
         self._local = config.local_checkpoint_dir is not None
         self._local_auto = self._local and config.save_local_secs == "auto"
         #: the user's local interval: the durable tier saves no more often
@@ -61,6 +64,11 @@ class AutoInterval:
         if ledger is None:  # not the chief: the ledger as written
             return goodput(session.logdir) if session.logdir is not None else summarise([])
         live = self._live(session) if self._live is not None else None
+        if live is not None and getattr(live, "saves", 0) and self._record is not None:
+            record, self._record = self._record, None  # asked once a session
+            if ledger.report().save_cost_secs is None:
+                record(session)  # the first measured save, into the ledger now
+                live = self._live(session)
         return ledger.report(extra=[] if live is None else [live])
 
     def update(self, session: Any) -> float:

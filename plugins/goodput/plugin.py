@@ -118,7 +118,7 @@ class GoodputPlugin:
         self._saves = session.stash.setdefault(SAVE_TIMES, SaveTimes())
         # save_model_secs="auto", every process (the chief counts its saves before a
         # window records them)
-        session.stash[AUTO_INTERVAL] = lambda s: AutoInterval(s, self.live)
+        session.stash[AUTO_INTERVAL] = lambda s: AutoInterval(s, self.live, self._window)
         if not session.is_chief:
             return
         self._opened = time.time()

@@ -202,3 +202,17 @@ def test_a_report_counts_a_peer_restore_as_a_lost_machine_the_local_tier_restore
     assert report.durable_mtbi_secs == pytest.approx(report.wall_secs)  # the wiped one
     assert report.local_save_cost_secs == pytest.approx(0.15)  # its timer's hold / commit
     assert "process deaths 1 (the local tier's), lost machines 2" in format_report(report)
+
+
+def test_the_first_measured_save_reaches_the_ledger_before_a_kill(tmp_path):
+    """No summary window at all: the first committed save is recorded when "auto" sees
+    it, so that the restart picks its interval from a measured cost, not the guess."""
+    life = Life(tmp_path, save_summaries_steps=None)
+    life.kill_once_local_is_ahead(45)
+    windows = [r for r in read_records(tmp_path / "run") if isinstance(r, Window)]
+    assert len(windows) == 1 and windows[0].saves >= 1 and windows[0].hold_secs > 0
+    life = Life(tmp_path, 60, save_summaries_steps=None)
+    err = life.finish()
+    second = report_at_start(tmp_path / "run", 1)
+    assert second.save_cost_secs is not None
+    assert abs(picked(err)[0] - second.suggested_save_secs) <= 0.5, err[-3000:]
