@@ -9,6 +9,7 @@ ones the runs logged and wrote to TensorBoard.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -83,10 +84,21 @@ def picked(stderr: str, pattern: re.Pattern = PICKED) -> list[int]:
 
 def report_at_start(logdir: Path, session: int):
     """The report "auto" saw when session `session` (0-based) opened: the records
-    before its start, and its start (the run's last session, running)."""
+    before its start, and its start as it was then (the run's last session, running:
+    the record written after the first step, less that step and the wait for input)."""
     records = read_records(logdir)
     starts = [i for i, r in enumerate(records) if isinstance(r, Start)]
-    return summarise(records[:starts[session] + 1], running=True)
+    start = records[starts[session]]
+    opened = dataclasses.replace(
+        start, time=start.time - (start.first_step_secs or 0.0) - start.input_secs,
+        first_step_secs=None)
+    return summarise(records[:starts[session]] + [opened], running=True)
+
+
+def close_to(logged: int, value: float) -> bool:
+    """An interval logged as a whole number of seconds is `value`, but for the rounding
+    and the start's time, known here to a few hundredths of a second."""
+    return abs(logged - value) <= 0.5 + 0.05 * value
 
 
 def test_the_machine_is_told_by_the_tier_restored_and_what_the_local_tier_held():
@@ -140,10 +152,10 @@ def test_process_deaths_leave_the_durable_interval_and_a_lost_machine_shortens_i
     assert fifth.suggested_save_secs < fourth.suggested_save_secs
 
     # what the sessions logged at their start is what the reports say
-    assert abs(picked(fourth_log)[0] - uninterrupted) <= 0.5, fourth_log[-3000:]
+    assert close_to(picked(fourth_log)[0], uninterrupted), fourth_log[-3000:]
     assert "counting lost machines only (0), not process deaths (3)" in fourth_log
     first_picked = picked(last)[0]
-    assert abs(first_picked - fifth.suggested_save_secs) <= 0.5, last[-3000:]
+    assert close_to(first_picked, fifth.suggested_save_secs), last[-3000:]
     assert "counting lost machines only (1), not process deaths (3)" in last
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -156,6 +168,11 @@ def test_process_deaths_leave_the_durable_interval_and_a_lost_machine_shortens_i
     from loopkit.plugins.goodput.report_html import render
     from loopkit.plugins.goodput.timeline import build
 
+    from loopkit.plugins.goodput.output import format_sessions, session_rows
+    from loopkit.plugins.goodput.report import read_sessions
+
+    table = format_sessions(session_rows(read_sessions(logdir)))  # `--sessions`
+    assert f"step {durable} (durable, machine lost)" in table, table
     page = render(build(logdir))  # `loopkit report`
     assert 'data-name="process deaths / lost machines">3 / 1<' in page
 
@@ -172,7 +189,7 @@ def test_local_auto_follows_the_process_deaths(tmp_path):
     assert second.suggested_local_secs == pytest.approx(
         young_daly(second.local_save_cost_secs, second.wall_secs))
     local = picked(err, LOCAL_PICKED)
-    assert local and abs(local[0] - second.suggested_local_secs) <= 0.5, err[-3000:]
+    assert local and close_to(local[0], second.suggested_local_secs), err[-3000:]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(str(tmp_path / "run"))
@@ -215,4 +232,4 @@ def test_the_first_measured_save_reaches_the_ledger_before_a_kill(tmp_path):
     err = life.finish()
     second = report_at_start(tmp_path / "run", 1)
     assert second.save_cost_secs is not None
-    assert abs(picked(err)[0] - second.suggested_save_secs) <= 0.5, err[-3000:]
+    assert close_to(picked(err)[0], second.suggested_save_secs), err[-3000:]
