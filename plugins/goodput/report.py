@@ -75,7 +75,8 @@ class GoodputReport:
     #: when the ledger's last record was written (wall clock), None for an empty ledger
     last_record_time: float | None = None
     #: interruptions after which the machine lived (its local tier was there: the
-    #: local tier's job), and those that lost a machine (`Start.machine`)
+    #: local tier's job), and those that lost a machine (`Start.machine`); with a local
+    #: tier, an interruption no session followed yet is neither, nor counted below
     process_deaths: int = 0
     lost_machines: int = 0
     #: the mean time between the interruptions the local tier did not restore (all of
@@ -234,6 +235,8 @@ def _by_tier(sessions: Sequence[LedgerSession]) -> _Tiers:
         if not s.interrupted:
             continue
         nxt = sessions[i + 1].start if i + 1 < len(sessions) else None
+        if nxt is None and out.has_local:
+            continue  # nothing restored after it yet: neither tier's to count
         cause = _cause(nxt)
         out.deaths += cause == "lived"
         out.lost += cause == "lost"
@@ -289,6 +292,10 @@ def _hms(secs: float | None) -> str:
         f"{int(rest // 60)}m{rest % 60:04.1f}s"
 
 
+def _cost(secs: float | None) -> str:
+    return "-" if secs is None else f"{secs:.2g} s"  # a local save: hundredths
+
+
 def _live(report: GoodputReport) -> str:
     if not report.running or report.last_record_time is None:
         return ""
@@ -319,11 +326,11 @@ def format_report(report: GoodputReport) -> str:
             f"  of which process deaths {report.process_deaths} (the local tier's), lost "
             f"machines {report.lost_machines}",
             f"durable tier: mean time between the interruptions it restores "
-            f"{_hms(report.durable_mtbi_secs)}, save cost {_hms(report.save_cost_secs)} "
+            f"{_hms(report.durable_mtbi_secs)}, save cost {_cost(report.save_cost_secs)} "
             f"(commit {_hms(report.commit_secs)}); save_model_secs=\"auto\" would pick "
             f"{_hms(report.suggested_save_secs)}",
             f"local tier: mean time between the interruptions it restores "
-            f"{_hms(report.local_mtbi_secs)}, save cost {_hms(report.local_save_cost_secs)}; "
+            f"{_hms(report.local_mtbi_secs)}, save cost {_cost(report.local_save_cost_secs)}; "
             f"save_local_secs=\"auto\" would pick {_hms(report.suggested_local_secs)}"]
     lines.append("badput:")
     for cause in CAUSES:
