@@ -2,7 +2,8 @@
 
     python benchmarks/goodput.py [--minutes 3] [--kill-every 60] [--fixed-secs 30]
                                  [--local-secs 10] [--width 2048] [--batch 64]
-                                 [--only clean,fixed,auto,local,bucket]
+                                 [--only clean,fixed,auto,local,bucket,
+                                         auto-local,auto-wiped]
 
 Variants, each ``--minutes`` long, in fresh log directories:
 
@@ -15,7 +16,16 @@ Variants, each ``--minutes`` long, in fresh log directories:
    temp dir's disk, ``save_local_secs=--local-secs``);
 5. chaos, the fixed interval, the logdir on a bucket (``s3://``, moto's S3 server
    on 127.0.0.1, started here as the tests start it): each restart takes over its
-   own dead lease at once (`loopkit run` gives its children a ``LOOPKIT_RUN_ID``).
+   own dead lease at once (`loopkit run` gives its children a ``LOOPKIT_RUN_ID``);
+6. chaos, ``save_model_secs="auto"`` and the local tier (a process death: the local
+   tier's job, so "auto" keeps the durable interval long);
+7. the same, each kill also wiping the killed process's local directory (a replaced
+   machine: every restart restores from the durable tier, and "auto" follows them).
+
+One process each (the script starts no ``jax.distributed`` job, so peer copies,
+``local_replicas``, are not measured here). For the "auto" variants the intervals
+the run picked (its log) are reported with the ledger's process deaths and lost
+machines.
 
 Each ends with SIGTERM to the runner (a clean stop, the final checkpoint). The
 goodput fraction and the badput table come from the run's ledger
@@ -36,6 +46,8 @@ import json
 import os
 import platform
 import random
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -106,9 +118,11 @@ def _trainer_pid(runner: subprocess.Popen) -> int | None:
 
 
 def variant(name: str, logdir: Path | str, save: str, args: argparse.Namespace,
-            chaos: bool, local: bool = False, base: Path | None = None) -> dict:
+            chaos: bool, local: bool = False, base: Path | None = None,
+            wipe: bool = False) -> dict:
     base = base or Path(logdir).parent
-    tier = f"{base / (name + '-local')}:{args.local_secs}" if local else "-"
+    local_dir = base / (name + "-local")
+    tier = f"{local_dir}:{args.local_secs}" if local else "-"
     cmd = [sys.executable, "-m", "loopkit", "run", "--backoff-secs", "1",
            "--max-restarts", "1000", "--", sys.executable, str(HERE), "--child", str(logdir),
            save, str(args.width), str(args.batch), tier]
@@ -128,6 +142,9 @@ def variant(name: str, logdir: Path | str, save: str, args: argparse.Namespace,
                     kills += 1
                 except ProcessLookupError:
                     pass
+                else:
+                    if wipe:  # a replaced machine: its local disk goes with it
+                        _wipe_after(pid, local_dir)
             next_kill = time.monotonic() + rng.uniform(0.5, 1.5) * args.kill_every
     runner.send_signal(signal.SIGTERM)
     runner.wait(timeout=300)
@@ -139,8 +156,26 @@ def variant(name: str, logdir: Path | str, save: str, args: argparse.Namespace,
     report = loopkit.goodput(logdir)
     starts = [r for r in read_records(logdir) if isinstance(r, Start)][1:]  # restarts
     firsts = sorted(r.time - r.process_start for r in starts)  # start to first step
-    return {"name": name, "kills": kills, "report": report,
+    text = (base / f"{name}.log").read_text(errors="replace")
+    picked = [float(x) for x in re.findall(r'save_model_secs="auto": saving every (\d+) s',
+                                           text)]
+    return {"name": name, "kills": kills, "report": report, "picked": picked,
             "to_first_step": firsts[len(firsts) // 2] if firsts else None}
+
+
+def _wipe_after(pid: int, local_dir: Path) -> None:
+    """Remove `local_dir` once the killed `pid` is gone (before the runner's backoff
+    ends and the next trainer starts)."""
+    deadline = time.monotonic() + 0.8
+    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    break  # a zombie: dead, not yet reaped
+        except OSError:
+            break
+        time.sleep(0.01)
+    shutil.rmtree(local_dir, ignore_errors=True)
 
 
 def restart_costs(logdir: Path, args: argparse.Namespace) -> dict:
@@ -179,6 +214,13 @@ def restart_costs(logdir: Path, args: argparse.Namespace) -> dict:
             "raw_bytes": n, "cached_compile": comp}
 
 
+def _spread(values: list[float]) -> str:
+    if not values:
+        return "-"
+    v = sorted(values)
+    return f"{v[len(v) // 2]:.0f} ({v[0]:.0f}-{v[-1]:.0f})"
+
+
 def main() -> None:
     if sys.argv[1:2] == ["--child"]:
         logdir, save, width, batch, local = sys.argv[2:7]
@@ -193,7 +235,8 @@ def main() -> None:
     p.add_argument("--width", type=int, default=2048)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--only", default="clean,fixed,auto,local,bucket")
+    p.add_argument("--only", default="clean,fixed,auto,local,bucket")  # and auto-local,
+    # auto-wiped: "auto" beside a local tier, with kills that keep or wipe it
     args = p.parse_args()
     mib = 2 * 3 * args.width ** 2 * 4 / 2 ** 20
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; state "
@@ -204,7 +247,8 @@ def main() -> None:
     plan = {"clean": (str(args.fixed_secs), False, False),
             "fixed": (str(args.fixed_secs), True, False),
             "auto": ("auto", True, False), "local": (str(args.fixed_secs), True, True),
-            "bucket": (str(args.fixed_secs), True, False)}
+            "bucket": (str(args.fixed_secs), True, False),
+            "auto-local": ("auto", True, True), "auto-wiped": ("auto", True, True)}
     for name in args.only.split(","):
         save, chaos, local = plan[name]
         if name == "bucket":
@@ -214,12 +258,15 @@ def main() -> None:
             _, bucket, _stop = start_s3()
             row = variant(name, f"s3://{bucket}/{name}", save, args, chaos, local, base)
         else:
-            row = variant(name, base / name, save, args, chaos, local)
+            row = variant(name, base / name, save, args, chaos, local,
+                          wipe=name == "auto-wiped")
         rows.append(row)
         r = row["report"]
         print(f"{name}: kills {row['kills']}, sessions {r.sessions}, goodput "
               f"{100 * r.fraction:.1f}%, save cost {r.save_cost_secs}, suggested "
-              f"{r.suggested_save_secs:.1f} s", flush=True)
+              f"{r.suggested_save_secs:.1f} s; process deaths {r.process_deaths}, lost "
+              f"machines {r.lost_machines}; durable intervals picked {row['picked']}",
+              flush=True)
     from loopkit.plugins.goodput.report import CAUSES
 
     print("\n| cause (% of wall) | " + " | ".join(r["name"] for r in rows) + " |")
@@ -238,6 +285,10 @@ def main() -> None:
     print("| restart to first step, s (median) | " + " | ".join(
         "-" if r["to_first_step"] is None else f"{r['to_first_step']:.2f}"
         for r in rows) + " |")
+    print("| process deaths / lost machines | " + " | ".join(
+        f"{r['report'].process_deaths} / {r['report'].lost_machines}" for r in rows) + " |")
+    print("| \"auto\" durable interval, s (median picked; min-max) | " + " | ".join(
+        _spread(r["picked"]) for r in rows) + " |")
     print("| save cost, s | " + " | ".join(
         "-" if r["report"].save_cost_secs is None else f"{r['report'].save_cost_secs:.2f}"
         for r in rows) + " |")

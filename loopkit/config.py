@@ -215,7 +215,7 @@ class Config:
     straggler_threshold: float | None = _field(None, _number("a number", ">", 1, True))
     straggler_windows: int = _field(3, _count(1, False))
     local_checkpoint_dir: str | os.PathLike[str] | None = _field(None, _local_dir)
-    save_local_secs: float | None = _field(60, _secs(True))
+    save_local_secs: float | str | None = _field(60, _save_secs)
     save_local_steps: int | None = _field(None, _count(0, True))
     max_to_keep_local: int | None = _field(2, _count(0, True))
     local_replicas: int = _field(0, _count(0, False))

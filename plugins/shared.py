@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional, Protocol
 
 from loopkit.loop.stash import StashKey
 
-__all__ = ["AUTO_INTERVAL", "RESTORED_TIER", "SAVE_TIMES", "IntervalPolicy", "SaveTiming",
+__all__ = ["AUTO_INTERVAL", "MACHINE", "RESTORED_TIER", "SAVE_TIMES", "IntervalPolicy", "SaveTiming",
            "SaveTimes"]
 
 
@@ -73,13 +73,24 @@ SAVE_TIMES: StashKey[SaveTimes] = StashKey()
 RESTORED_TIER = StashKey[Optional[str]]()
 
 
-class IntervalPolicy(Protocol):
-    """``save_model_secs="auto"``: the checkpoint interval in force, updated after saves."""
+#: what the local tier says of the machine the previous session ran on: "lived" (a
+#: process death: its local checkpoints were there), "lost" (a replaced machine: a part
+#: came from a peer, or the durable tier served although the local tier should have held
+#: a newer step or held none), or None (no local tier, or nothing to tell it by)
+MACHINE = StashKey[Optional[str]]()
 
+
+class IntervalPolicy(Protocol):
+    """``save_model_secs="auto"`` / ``save_local_secs="auto"``: the intervals in force,
+    updated after saves."""
+
+    #: the durable tier's interval (``save_model_secs="auto"``)
     interval: float
+    #: the local tier's (``save_local_secs="auto"``), else None
+    local_interval: float | None
 
     def update(self, session: Any) -> float:
-        """The interval to use from the next re-arm on."""
+        """Recompute both; the durable interval to use from the next re-arm on."""
 
 
 #: the goodput plugin's `IntervalPolicy` factory (``factory(session)``); absent when the

@@ -49,9 +49,8 @@ from loopkit.plugins.checkpoint.replicas import SAVE_VETO, agree_to_save, host_c
 from loopkit.plugins.checkpoint.peers import open_peers
 from loopkit.plugins.checkpoint.retention import CheckpointList
 from loopkit.plugins.checkpoint.tier import SharedHold, Tier, refuse_a_file
-from loopkit.plugins.shared import (
-    AUTO_INTERVAL, RESTORED_TIER, SAVE_TIMES, IntervalPolicy, SaveTimes,
-)
+from loopkit.plugins.checkpoint.cadence import Cadence, machine_fate
+from loopkit.plugins.shared import MACHINE, RESTORED_TIER, SAVE_TIMES, SaveTimes
 
 __all__ = ["BUILTIN_BACKENDS", "INACTIVE", "CheckpointPlugin", "plugin"]
 
@@ -82,7 +81,7 @@ class CheckpointPlugin:
         self._restored: tuple[int, list[int]] | None = None  # (step, leaf ids) just restored
         self._local_timer: Any = None  # the local tier's timer (its handle)
         self._timer: Any = None  # the durable tier's
-        self._auto: IntervalPolicy | None = None  # save_model_secs="auto"
+        self._cadence: Any = None  # the timers' intervals (`Cadence`: "auto")
         self._times = SaveTimes()  # the session's (in the stash: the ledger reads it)
 
     @property
@@ -187,6 +186,7 @@ class CheckpointPlugin:
         # the default device, as a fresh one is, so the step compiles to the same
         # program (and a restart finds it in the persistent compilation cache)
         found, tier = None, self.local
+        held = set() if tier is None else set(tier.ledger.on_disk)  # its machine lived?
         if tier is not None:
             _phase(session, durable_best(tier.ledger.on_disk, tier.file), "the local tier")
             found = find_local(tier.backend, frozenset(tier.ledger.on_disk), tier.file, like,
@@ -209,6 +209,8 @@ class CheckpointPlugin:
         self.restored_from = None if found is None else (
             "peer" if tier.peers is not None and tier.peers.from_peer else tier.kind)
         session.stash[RESTORED_TIER] = self.restored_from
+        if self.local is not None:  # the ledger tells a process death from a lost machine
+            session.stash[MACHINE] = machine_fate(self.restored_from, step, held)
         if found is None:
             return None
         self._restored = (found.step, sorted(map(id, jax.tree.leaves(found.state))))
@@ -246,19 +248,11 @@ class CheckpointPlugin:
         self._open(session)
         session.stash.setdefault(RESTORED_TIER, self.restored_from)
         self._times = session.stash.setdefault(SAVE_TIMES, SaveTimes())
-        secs = self.config.save_model_secs or None
-        if secs == "auto":
-            policy = session.stash.get(AUTO_INTERVAL)
-            if policy is None:
-                raise ValueError('Config.save_model_secs="auto" needs the goodput plugin, '
-                                 "which measures the run: do not disable it")
-            self._auto = policy(session)
-            secs = self._auto.interval
-        steps = self.config.save_model_steps or None
+        self._cadence = cadence = Cadence(session, self.config, self.local is not None)
+        secs, steps = cadence.durable_secs, self.config.save_model_steps or None
         if secs or steps:
             self._timer = session.every(self._save, secs=secs, steps=steps, name="checkpoint")
-        secs = self.config.save_local_secs or None
-        steps = self.config.save_local_steps or None
+        secs, steps = cadence.local_secs, self.config.save_local_steps or None
         if self.local is not None and (secs or steps):
             self._local_timer = session.every(self._save_local, secs=secs, steps=steps,
                                               name="checkpoint_local")
@@ -274,8 +268,8 @@ class CheckpointPlugin:
             self._start_save(session, t0, final)
         finally:
             self._times.held_secs += time.perf_counter() - t0
-        if self._auto is not None and self._timer is not None and not session.should_stop():
-            self._timer.secs = self._auto.update(session)  # in force from the re-arm
+        if self._cadence is not None:  # "auto": the intervals from the measurements
+            self._cadence.retime(session, self._timer, self._local_timer)
 
     def _start_save(self, session: Any, t0: float, final: bool) -> None:
         step, many = session.step, jax.process_count() > 1
@@ -318,7 +312,7 @@ class CheckpointPlugin:
         """Start saving the current state to the local tier (its timer action), or
         the staging the durable save at this step made (`staged`)."""
         t0 = time.perf_counter()
-        tier, step = self.local, session.step
+        tier, step, from_durable = self.local, session.step, staged is not None
         assert tier is not None
         # the timer fires on every process at this step: what follows may differ by process
         metadata = checkpoint_metadata(session, step) if staged is None else None
@@ -341,6 +335,10 @@ class CheckpointPlugin:
         self.local_blocking_secs = time.perf_counter() - t0
         if session.summary_writer is not None:
             session.summary_writer.add_scalar(LOCAL_BLOCKING_TAG, self.local_blocking_secs, step)
+        # "auto": after the local timer's own save (a save beside the durable one is
+        # retimed with it)
+        if self._cadence is not None and self._cadence.local_auto and not from_durable:
+            self._cadence.retime(session, self._timer, self._local_timer)
 
     # -- stopping ----------------------------------------------------------------------
 

@@ -60,13 +60,14 @@ class Ledger:
         #: the running session's start, until its record is written
         self.pending: Start | None = None
 
-    def report(self) -> GoodputReport:
-        """The report of the records so far, the running session's start included."""
+    def report(self, extra: list[Record] | None = None) -> GoodputReport:
+        """The report of the records so far, the running session's start included, and
+        `extra` records not written (the running session's window so far)."""
         from loopkit.plugins.goodput.report import summarise
 
         with self._lock:
             records = self.records + ([self.pending] if self.pending is not None else [])
-        return summarise(records, running=True)  # the last session is this one
+        return summarise(records + (extra or []), running=True)  # the last is this one
 
     def write(self, record: Record, wait: bool = False) -> None:
         """Append `record` (any thread). `wait`: under a URL, return once it is uploaded."""

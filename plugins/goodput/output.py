@@ -42,7 +42,8 @@ def session_rows(sessions: Sequence[LedgerSession]) -> list[dict[str, Any]]:
     ``"SIGKILL"``, from `loopkit run`'s record; None when the runner did not restart it)
     and `error` (the error that stopped it); `first_step` and `last_step` the steps it
     trained; `restored_step` and `restored_tier` what it opened from (None: a fresh start;
-    "durable", "local" or "peer"); `faults` the machines it named at fault, in order:
+    "durable", "local" or "peer"); `machine` what the local tier said of the previous
+    session's machine ("lived", "lost", None); `faults` the machines it named at fault, in order:
     each `cause` ("sdc", "compute", "straggler"), `time`, `step`, `process`, `host`,
     `device` (an sdc's differing device, else None), `detail` and `secs` (a straggler's
     cost to the others).
@@ -61,6 +62,7 @@ def session_rows(sessions: Sequence[LedgerSession]) -> list[dict[str, Any]]:
             "last_step": s.last_step,
             "restored_step": st.step if st.tier is not None else None,
             "restored_tier": st.tier,
+            "machine": st.machine,
             "rollbacks": len(s.rollbacks),
             "hang_idle_secs": s.hang.idle_secs if s.hang is not None else None,
             "faults": [{"cause": f.cause, "time": f.time, "step": f.step,
@@ -106,7 +108,8 @@ def format_sessions(rows: Sequence[dict[str, Any]]) -> str:
     for r in rows:
         steps = f"{r['first_step']}..{r['last_step']}" if r["last_step"] is not None else "-"
         restored = ("fresh" if r["restored_tier"] is None
-                    else f"step {r['restored_step']} ({tier_words(r['restored_tier'])})")
+                    else f"step {r['restored_step']} ({tier_words(r['restored_tier'])}"
+                    + (f", machine {r['machine']})" if r.get("machine") else ")"))
         table.append((str(r["session"]), _when(r["start"]), _when(r["end"]),
                       describe_end(r)[:60], steps, restored, count_faults(r["faults"])))
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]

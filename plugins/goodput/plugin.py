@@ -27,7 +27,9 @@ from loopkit.config import Config
 from loopkit.plugin.hookspec import hookimpl
 from loopkit.plugins.goodput.cadence import AutoInterval
 from loopkit.plugins.goodput.ledger import LEDGER, Ledger
-from loopkit.plugins.shared import AUTO_INTERVAL, RESTORED_TIER, SAVE_TIMES, SaveTimes
+from loopkit.plugins.shared import (
+    AUTO_INTERVAL, MACHINE, RESTORED_TIER, SAVE_TIMES, SaveTimes,
+)
 from loopkit.plugins.goodput.records import Rollback, Start, Stop, Window
 from loopkit.plugins.goodput.report import CAUSES, GoodputReport
 
@@ -69,7 +71,11 @@ def write_report(writer: Any, report: GoodputReport, step: int) -> None:
                "goodput/sessions": report.sessions,
                "goodput/interruptions": report.interruptions,
                "goodput/rollbacks": report.rollbacks,
-               "goodput/suggested_save_secs": report.suggested_save_secs}
+               "goodput/suggested_save_secs": report.suggested_save_secs,
+               "goodput/process_deaths": report.process_deaths,
+               "goodput/lost_machines": report.lost_machines}
+    if report.suggested_local_secs is not None:
+        scalars["goodput/suggested_local_secs"] = report.suggested_local_secs
     if report.mtbi_secs is not None:
         scalars["goodput/mtbi_secs"] = report.mtbi_secs
     if report.save_cost_secs is not None:
@@ -110,7 +116,9 @@ class GoodputPlugin:
     @hookimpl(tryfirst=True)  # first of the built-ins: its timer runs first at a boundary
     def session_create(self, session: Session) -> None:
         self._saves = session.stash.setdefault(SAVE_TIMES, SaveTimes())
-        session.stash[AUTO_INTERVAL] = AutoInterval  # save_model_secs="auto", every process
+        # save_model_secs="auto", every process (the chief counts its saves before a
+        # window records them)
+        session.stash[AUTO_INTERVAL] = lambda s: AutoInterval(s, self.live, self._window)
         if not session.is_chief:
             return
         self._opened = time.time()
@@ -146,22 +154,25 @@ class GoodputPlugin:
             input_secs=stats.input_open_secs + waited,
             summary_secs=self.config.save_summaries_secs or None,
             local_dir=None if self.config.local_checkpoint_dir is None
-            else str(storage.normalise(self.config.local_checkpoint_dir, "local_checkpoint_dir")))
+            else str(storage.normalise(self.config.local_checkpoint_dir, "local_checkpoint_dir")),
+            machine=session.stash.get(MACHINE))
 
     def _mark(self, session: Session, now: float) -> None:
         stats = session.stats
         self._last, self._input, self._held = now, stats.input_wait_secs, self._saves.held_secs
         self._timers = dict(stats.timer_secs)
 
-    def _measure(self, session: Session, now: float) -> dict[str, Any]:
-        """The window since the last record: what `Window` and `Stop` hold."""
+    def _measure(self, session: Session, now: float, peek: bool = False) -> dict[str, Any]:
+        """The window since the last record: what `Window` and `Stop` hold. `peek`: leave
+        the saves to the next record ("auto" counts them before a window does)."""
         stats = session.stats
         timers = {name: secs - self._timers.get(name, 0.0)
                   for name, secs in stats.timer_secs.items()
                   # saves are `save_secs`; this plugin's own (the wait for the device
                   # ends the previous window, its write is a few ms) counts as steps
                   if name not in ("checkpoint", "goodput", "goodput_start")}
-        saves = self._saves.take()
+        saves = list(self._saves.committed.copy()) if peek else self._saves.take()
+        saved = list(self._saves.saved.copy()) if peek else self._saves.take_saved()
         fields = dict(
             time=now, step=session.step, secs=now - self._last,
             input_secs=stats.input_wait_secs - self._input,
@@ -171,9 +182,16 @@ class GoodputPlugin:
             commit_secs=sum(s.commit_secs for s in saves),
             overlap_secs=sum(s.overlap_secs for s in saves),
             overlap_steps=sum(s.overlap_steps for s in saves),
-            saved=[list(x) for x in self._saves.take_saved()])
-        self._mark(session, now)
+            saved=[list(x) for x in saved])
+        if not peek:
+            self._mark(session, now)
         return fields
+
+    def live(self, session: Session) -> Window | None:
+        """This session's window so far, not recorded (None before its start record)."""
+        if self._start is None:
+            return None
+        return Window(**self._measure(session, time.time(), peek=True))
 
     def _window(self, session: Session) -> None:
         if self._start is None or self.ledger is None:

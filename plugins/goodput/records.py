@@ -49,7 +49,10 @@ class Start(Record):
     """A session's start, written at the boundary after its first step (or at its stop).
 
     `step` is the step it opened at (the restored one); `tier` where that came from
-    (``"durable"``, ``"local"``, None for a fresh start). The session's time from
+    (``"durable"``, ``"local"``, ``"peer"``, None for a fresh start); `machine` what
+    the local tier says of the machine the previous session ran on (`MACHINE`:
+    ``"lived"``, ``"lost"``, None without a local tier or when it cannot tell), which
+    tells a process death from a lost machine. The session's time from
     `process_start` to `time` is startup + `restore_secs` + `input_secs` (opening the
     data and waiting for the first batch) + `first_step_secs` (the first step, its
     compile). `summary_secs` is how often the session writes a window (None: by steps
@@ -66,6 +69,7 @@ class Start(Record):
     input_secs: float = 0.0
     summary_secs: float | None = None
     local_dir: str | None = None  # Config.local_checkpoint_dir, on `host`
+    machine: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from loopkit.plugins.goodput.records import Record, read_records
+from loopkit.plugins.goodput.records import Record, Start, read_records
 from loopkit.plugins.goodput.sessions import FINISHED, LedgerSession, group, is_running
 
 __all__ = ["CAUSES", "DEFAULT_MTBI_SECS", "MAX_SAVE_SECS", "FINISHED", "GoodputReport",
@@ -74,6 +74,20 @@ class GoodputReport:
     running: bool = False
     #: when the ledger's last record was written (wall clock), None for an empty ledger
     last_record_time: float | None = None
+    #: interruptions after which the machine lived (its local tier was there: the
+    #: local tier's job), and those that lost a machine (`Start.machine`); with a local
+    #: tier, an interruption no session followed yet is neither, nor counted below
+    process_deaths: int = 0
+    lost_machines: int = 0
+    #: the mean time between the interruptions the local tier did not restore (all of
+    #: them without a local tier): what the durable interval is picked from
+    durable_mtbi_secs: float | None = None
+    #: with a local tier: the mean time between the interruptions it restored (process
+    #: deaths, lost machines restored from peers), its measured save cost (the loop held
+    #: by its timer, per local commit) and the interval "auto" picks for it
+    local_mtbi_secs: float | None = None
+    local_save_cost_secs: float | None = None
+    suggested_local_secs: float | None = None
 
     def badput_secs(self) -> float:
         """Every cause's seconds, added up (the timers' too)."""
@@ -170,6 +184,7 @@ def summarise_sessions(sessions: Sequence[LedgerSession]) -> GoodputReport:
         last_time = max(s.last_time for s in sessions)
         wall = last_time - sessions[0].start.process_start
     mtbi = wall / interruptions if interruptions else None
+    tiers = _by_tier(sessions)
     normal = quiet_secs / quiet_steps if quiet_steps else step_secs / max(1, all_steps)
     cost = None
     if saves:
@@ -178,16 +193,71 @@ def summarise_sessions(sessions: Sequence[LedgerSession]) -> GoodputReport:
     commit_mean = commit / saves if saves else None
     badput: dict[str, float | Mapping[str, float]] = {
         k: timers if k == "timers" else bad[k] for k in CAUSES}
+    # with a local tier, the durable tier serves only what the local one did not restore
+    durable_mtbi = wall / tiers.durable if tiers.durable else None
+    local_mtbi = wall / tiers.local if tiers.local else None
+    prior = max(wall, UNINTERRUPTED_MTBI_SECS)  # no interruption yet: see the constant
     return GoodputReport(
         wall_secs=wall, productive_secs=productive,
         fraction=productive / wall if wall > 0 else 0.0, badput=badput,
         sessions=len(sessions), interruptions=interruptions, rollbacks=rollbacks,
         mtbi_secs=mtbi, save_cost_secs=cost,
-        suggested_save_secs=young_daly(cost, mtbi if mtbi is not None
-                                       else max(wall, UNINTERRUPTED_MTBI_SECS), commit_mean),
+        suggested_save_secs=young_daly(cost, durable_mtbi or prior, commit_mean),
         commit_secs=commit_mean,
         running=bool(sessions) and sessions[-1].running, last_record_time=last_time,
+        process_deaths=tiers.deaths, lost_machines=tiers.lost,
+        durable_mtbi_secs=durable_mtbi, local_mtbi_secs=local_mtbi,
+        local_save_cost_secs=tiers.local_cost,
+        suggested_local_secs=None if not tiers.has_local
+        else young_daly(tiers.local_cost, local_mtbi or prior),
     )
+
+
+@dataclasses.dataclass
+class _Tiers:
+    has_local: bool = False  # the last session has a local tier
+    deaths: int = 0  # interruptions after which the machine lived
+    lost: int = 0  # ... that lost a machine
+    local: int = 0  # interruptions the local tier restored (its peers included)
+    durable: int = 0  # the others: the durable tier's
+    local_cost: float | None = None
+
+
+def _by_tier(sessions: Sequence[LedgerSession]) -> _Tiers:
+    """Each interruption's cause, from the next session's start (`Start.machine`,
+    `Start.tier`), and the local tier's save cost (its timer's hold per local commit)."""
+    out = _Tiers(has_local=bool(sessions) and sessions[-1].start.local_dir is not None)
+    held, commits = 0.0, 0
+    for i, s in enumerate(sessions):
+        for w in s.windows:
+            held += w.timers.get("checkpoint_local", 0.0)
+            commits += sum(1 for x in w.saved if x[1] == "local")
+        if not s.interrupted:
+            continue
+        nxt = sessions[i + 1].start if i + 1 < len(sessions) else None
+        if nxt is None and out.has_local:
+            continue  # nothing restored after it yet: neither tier's to count
+        cause = _cause(nxt)
+        out.deaths += cause == "lived"
+        out.lost += cause == "lost"
+        # a process death is the local tier's job (a newer durable step served this
+        # time, or not); a lost machine too when its peers held its part
+        if cause == "lived" or (nxt is not None and nxt.tier == "peer"):
+            out.local += 1
+        else:
+            out.durable += 1
+    out.local_cost = held / commits if commits else None
+    return out
+
+
+def _cause(start: Start | None) -> str | None:
+    """What the start after an interruption says of the machine: "lived", "lost", None."""
+    if start is None:
+        return None
+    if start.machine is not None:
+        return start.machine
+    # a ledger written before `machine`: the tier alone tells
+    return {"local": "lived", "peer": "lost"}.get(start.tier or "")
 
 
 def goodput(logdir: Path | str) -> GoodputReport:
@@ -222,6 +292,10 @@ def _hms(secs: float | None) -> str:
         f"{int(rest // 60)}m{rest % 60:04.1f}s"
 
 
+def _cost(secs: float | None) -> str:
+    return "-" if secs is None else f"{secs:.2g} s"  # a local save: hundredths
+
+
 def _live(report: GoodputReport) -> str:
     if not report.running or report.last_record_time is None:
         return ""
@@ -246,8 +320,19 @@ def format_report(report: GoodputReport) -> str:
         f"{_hms(report.mtbi_secs)}",
         f"save cost {_hms(report.save_cost_secs)} (commit {_hms(report.commit_secs)}); "
         f"save_model_secs=\"auto\" would pick {_hms(report.suggested_save_secs)}",
-        "badput:",
     ]
+    if report.suggested_local_secs is not None:
+        lines[-1:] = [
+            f"  of which process deaths {report.process_deaths} (the local tier's), lost "
+            f"machines {report.lost_machines}",
+            f"durable tier: mean time between the interruptions it restores "
+            f"{_hms(report.durable_mtbi_secs)}, save cost {_cost(report.save_cost_secs)} "
+            f"(commit {_hms(report.commit_secs)}); save_model_secs=\"auto\" would pick "
+            f"{_hms(report.suggested_save_secs)}",
+            f"local tier: mean time between the interruptions it restores "
+            f"{_hms(report.local_mtbi_secs)}, save cost {_cost(report.local_save_cost_secs)}; "
+            f"save_local_secs=\"auto\" would pick {_hms(report.suggested_local_secs)}"]
+    lines.append("badput:")
     for cause in CAUSES:
         value = report.badput[cause]
         if isinstance(value, Mapping):

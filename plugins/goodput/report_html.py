@@ -89,6 +89,12 @@ def _figures(tl: Timeline) -> str:
         ("save cost", _hms(r.save_cost_secs), "the loop held, plus the commit's slowdown"),
         ("save_model_secs=\"auto\" would pick", _hms(r.suggested_save_secs), ""),
     ]
+    if r.suggested_local_secs is not None:  # a local tier: process deaths are its job
+        rows[6:6] = [("process deaths / lost machines",
+                      f"{r.process_deaths} / {r.lost_machines}",
+                      "the machine lived (the local tier's job) / was lost")]
+        rows += [("save_local_secs=\"auto\" would pick", _hms(r.suggested_local_secs),
+                  "from the interruptions the local tier restores")]
     body = "".join(f"<tr><th>{_e(a)}</th><td class=\"figure\" data-name=\"{_e(a)}\">{_e(b)}"
                    f"</td><td class=\"muted\">{_e(c)}</td></tr>" for a, b, c in rows)
     return f'<table id="figures">{body}</table>'

@@ -223,7 +223,8 @@ def test_a_corrupt_newest_local_checkpoint_falls_back_with_a_warning(tmp_path, c
 @pytest.mark.parametrize("field, value, allowed", [
     ("local_checkpoint_dir", "s3://bucket/local", "a local path"),
     ("local_checkpoint_dir", "", "a local path"),
-    ("save_local_secs", -1, "a number of seconds >= 0 or None"),
+    ("save_local_secs", -1, 'a number of seconds >= 0, None, or "auto"'),
+    ("save_local_secs", "fast", 'a number of seconds >= 0, None, or "auto"'),
     ("save_local_steps", 1.5, "an int >= 0 or None"),
     ("max_to_keep_local", -1, "an int >= 0 or None"),
 ])
