@@ -373,8 +373,8 @@ class Session:
             update_status(stop_reason="error" if failed else coord.reason, step=self.step,
                           **error_fields(error or (stop_errors or [None])[0]))
         finally:
-            # last, once everything durable is written (a preemption's SIGKILL may come):
-            # a compile of the save variant still under way, then the cache it writes to
+            # the step ends (a background compile of its save variant is not waited
+            # for), then JAX's cache settings are given back
             try:
                 self._end()
             finally:
