@@ -29,8 +29,9 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from types import FrameType
-from typing import Any, Callable
+from typing import Any
 
 __all__ = ["compile_in_background", "compiling"]
 
@@ -39,7 +40,8 @@ log = logging.getLogger("loopkit")
 _lock = threading.Lock()
 _running: set[threading.Thread] = set()
 _outermost: list[FrameType | None] = [None]  # the main thread's outermost frame
-_exited: list[BaseException | None] = [None]  # the main thread's latest sys.exit
+# the main thread's latest sys.exit: (SystemExit, where its outermost frame was then)
+_exited: list[tuple[SystemExit, FrameType, int] | None] = [None]
 _python_exit = sys.exit
 _python_shutdown: Any = None  # threading's own `_shutdown`, once taken over
 _RETURNS = {dis.opmap[name] for name in ("RETURN_VALUE", "RETURN_CONST") if name in dis.opmap}
@@ -91,7 +93,11 @@ def _main_outermost() -> FrameType | None:
     main = threading.main_thread()
     frame = (sys._getframe() if threading.current_thread() is main
              else sys._current_frames().get(main.ident or -1))
-    while frame is not None and frame.f_back is not None:
+    return None if frame is None else _outermost_of(frame)
+
+
+def _outermost_of(frame: FrameType) -> FrameType:
+    while frame.f_back is not None:
         frame = frame.f_back
     return frame
 
@@ -102,7 +108,8 @@ def _exit(*args: Any) -> None:
         _python_exit(*args)
     except SystemExit as ex:
         if threading.current_thread() is threading.main_thread():
-            _exited[0] = ex
+            outermost = _outermost_of(sys._getframe())
+            _exited[0] = (ex, outermost, outermost.f_lasti)
         raise
 
 
@@ -142,8 +149,10 @@ def _status() -> int | None:
     if _ended_at(frame, uncaught):
         return -signal.SIGINT if isinstance(uncaught, KeyboardInterrupt) else 1
     exited = _exited[0]
-    if isinstance(exited, SystemExit) and _ended_at(frame, exited):
-        code_ = exited.code
+    # sys.exit was called inside the call the outermost frame ended on: it ended it
+    # (the exception's own traceback is not complete before Python's exit)
+    if exited is not None and exited[1] is frame and exited[2] == frame.f_lasti:
+        code_ = exited[0].code
         if code_ is None:
             return 0
         return code_ if isinstance(code_, int) else 1  # Python printed any other value
@@ -156,14 +165,14 @@ def _end(status: int) -> None:
     compile)."""
     try:
         atexit._run_exitfuncs()
-    except BaseException:  # noqa: BLE001 - Python prints an atexit error and goes on
+    except BaseException:  # noqa: BLE001, S110 - each function ran; Python goes on too
         pass
     for obj in gc.get_objects():  # what finalisation would flush as it frees them
         if isinstance(obj, _io._IOBase):
             try:
                 if not obj.closed and obj.writable():
                     obj.flush()
-            except Exception:  # noqa: BLE001 - a broken pipe: Python ignores it too
+            except Exception:  # noqa: BLE001, S110 - a broken pipe: Python ignores it too
                 pass
     if status == -signal.SIGINT:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
