@@ -3,7 +3,7 @@
 On the chief only, one tensorboardX `SummaryWriter` in `logdir` becomes
 `session.summary_writer`; every built-in and `session.summary_computed` write
 through it. It opens in a background thread (`OpeningWriter`: its first use waits),
-so importing tensorboardX runs beside the first compile. On the summary timer (`save_summaries_secs` / `save_summaries_steps`)
+so importing tensorboardX runs beside the training, from the first step's end. On the summary timer (`save_summaries_secs` / `save_summaries_steps`)
 it writes the metrics that `Config.summary_metrics` chooses under their own
 names (the latest step's values, or with ``summary_reduce="mean"`` their mean
 since the last summary, summed on device inside the jitted step),
@@ -89,17 +89,26 @@ class OpeningWriter:
     """A tensorboardX `SummaryWriter` opened in a background thread, used as the writer
     itself: its first use waits until it is open, and re-raises what failed.
 
-    Importing tensorboardX (0.3-0.8 s) then runs beside the first compile, not before
-    it; the summaries plugin's `import_ahead` starts the import even earlier.
+    Importing tensorboardX (0.3-0.8 s) then runs beside the training, not before it;
+    a session's first writer opens from its first step's end (`start`), or at its
+    first use if that comes earlier.
     """
 
-    def __init__(self, open_writer: Callable[[], Any], where: str) -> None:
+    def __init__(self, open_writer: Callable[[], Any], where: str, start: bool = True) -> None:
         self._writer: Any = None
         self._error: BaseException | None = None
         self._where = where
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._open, args=(open_writer,), daemon=True,
                                         name="loopkit-summary-writer-open")
-        self._thread.start()
+        if start:
+            self.start()
+
+    def start(self, *_: Any) -> None:
+        """Start opening it (once; a timer's action takes the session)."""
+        with self._lock:
+            if self._thread.ident is None:
+                self._thread.start()
 
     def _open(self, open_writer: Callable[[], Any]) -> None:
         try:
@@ -112,19 +121,21 @@ class OpeningWriter:
     def opened(self) -> Any:
         """The tensorboardX writer, once it is open."""
         if self._writer is None:
+            self.start()
             self._thread.join()
             if self._error is not None:
                 raise self._error
         return self._writer
 
     def __getattr__(self, name: str) -> Any:  # everything a SummaryWriter offers
-        if name.startswith("__") or name in ("_writer", "_error", "_where", "_thread"):
+        if name.startswith("__") or name in ("_writer", "_error", "_where", "_thread", "_lock"):
             raise AttributeError(name)
         return getattr(self.opened(), name)
 
     def close(self) -> None:
         """Close the writer once it is open; nothing when it could not be opened (its
         first use raised that already, or the session failed before using it)."""
+        self.start()  # a session that ended before its first step still leaves its file
         self._thread.join()
         if self._writer is not None:
             self._writer.close()
@@ -182,7 +193,10 @@ class SummariesPlugin:
                 write_hparams(writer, cfg.hparams, purge_step)
             writer.flush()
 
-        self.writer = self._open(purge_step, first_events)
+        # opened from the first step's end: its import does not share the cores of
+        # `init` and the first compile
+        self.writer = self._open(purge_step, first_events, start=False)
+        session.at_step(session.step + 1, self.writer.start, name="summary writer")
         session.summary_writer = self.writer
         self._written_step = session.step  # nothing to write before a step runs
         self._last_time = session.clock()
@@ -191,7 +205,8 @@ class SummariesPlugin:
         if secs or steps:
             session.every(self._write, secs=secs, steps=steps, name="summaries")
 
-    def _open(self, purge_step: int, then: Callable[[Any], None] | None = None) -> OpeningWriter:
+    def _open(self, purge_step: int, then: Callable[[Any], None] | None = None,
+              start: bool = True) -> OpeningWriter:
         """A new event file whose first events hide what earlier files hold from
         `purge_step` on (its name sorts after theirs: `event_file_suffix`), opened in the
         background; `then(writer)` writes its first events there."""
@@ -205,7 +220,7 @@ class SummariesPlugin:
                 then(writer)
             return writer
 
-        return OpeningWriter(open_writer, self._where)
+        return OpeningWriter(open_writer, self._where, start)
 
     @hookimpl(tryfirst=True)  # the fresh file first: other plugins' on_rollback may write
     def on_rollback(self, session: Session, record: Any) -> None:

@@ -22,7 +22,7 @@ from loopkit.loop.coordinator import (
 from loopkit.loop.data import Lookahead, make_input
 from loopkit.process.logdir_claim import claim_logdir, stop_asked
 from loopkit.process.logdir_lock import LogdirLock
-from loopkit.process.import_ahead import import_ahead
+from loopkit.process.import_ahead import import_ahead, modules_ahead
 from loopkit.state.opening import recover_or_init
 from loopkit.process.run_status import error_fields, update_status, write_status
 from loopkit.loop.scheduler import RunningAction, Scheduler, Timer, agree_across_processes, noted
@@ -293,9 +293,7 @@ class Session:
     def _prepare(self, init: Any, data: Any) -> None:
         hook = self.hook
         hook.session_open(session=self)  # before anything that can block (the watchdog)
-        # the plugins' heavy imports (orbax, tensorboardX), beside the lock, the restore
-        # or init, and the first compile: their first users wait for them
-        import_ahead(self)
+        ahead = modules_ahead(self)  # the plugins' heavy imports, checked now, run later
         if self.logdir is not None:  # one run per logdir; a URL's store reached
             coord = self.coord
             if self.is_chief:
@@ -332,6 +330,9 @@ class Session:
             reader = hook.input_reader(session=self, input=self.input)
             if reader is not None:
                 self.input.read_with(reader)
+        # the plugins' imports (orbax, tensorboardX) from the first step's end: not beside
+        # `init` and the first compile, whose cores they would share
+        self.at_step(self.step + 1, lambda s: import_ahead(s, ahead), name="import ahead")
         update_status(step=self.step, start_step=self.step)
         self.phase = "waiting for the first batch" if data is not None else "before the first step"
 
@@ -372,8 +373,7 @@ class Session:
             update_status(stop_reason="error" if failed else coord.reason, step=self.step,
                           **error_fields(error or (stop_errors or [None])[0]))
         finally:
-            # last, once everything durable is written (a preemption's SIGKILL may come):
-            # a compile of the save variant still under way, then the cache it writes to
+            # the step ends (its save variant's compile not waited for), JAX's cache unset
             try:
                 self._end()
             finally:

@@ -15,6 +15,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import jax
 import numpy as np
 
+from loopkit.process.background_compile import compile_in_background
 from loopkit.state.pytree import is_key, sharding_of
 
 __all__ = ["Spare", "Staged", "aval", "copied", "copied_arrays", "swap_leaves", "to_host",
@@ -86,8 +87,8 @@ class Spare:
 
     `jit` is the step's variant that takes ``(frozen,) live, spare, *batch`` and
     donates `spare`, so its outputs land there while a saver reads `live`. It is
-    lowered at the first save and compiled in the background (`compile_ahead`),
-    then used from the first save whose predecessor has given its buffers back.
+    lowered at the first save and compiled in the background (`compile_ahead`), which
+    neither a stop nor the process's exit waits for, then used from the first save whose predecessor has given its buffers back.
     Buffers staged by several readers at once are given back by the last of them.
     """
 
@@ -99,7 +100,6 @@ class Spare:
         self._given: tuple | None = None  # given back by every reader, not yet taken
         self._readers: dict[tuple[int, ...], list] = {}  # staged buffers: [part, readers]
         self._compiled = threading.Event()
-        self._compiler: threading.Thread | None = None
         #: whether `compile_ahead` was called (the compile may be under way, done or failed)
         self.compiling = False
         self._generation = 0  # buffers given back from an older state are not taken
@@ -163,10 +163,9 @@ class Spare:
                 return
             self._compiled.set()
 
-        # not a daemon: an XLA compile cannot be cut short, and a daemon thread still in
-        # one at interpreter exit can abort the process
-        self._compiler = threading.Thread(target=compile_, name="loopkit-compile-save-variant")
-        self._compiler.start()
+        # nobody waits for it: a stop, `train` returning, the process's exit (see
+        # loopkit/process/background_compile.py)
+        compile_in_background(compile_, name="loopkit-compile-save-variant")
 
     def forget(self) -> None:
         """Drop every buffer held or given back until now (a new state, or the end)."""
@@ -176,11 +175,9 @@ class Spare:
             self._readers.clear()
 
     def close(self) -> None:
-        """The session is over: wait for a compile still under way (it writes to the
-        session's compilation cache), which `Session.close` does last."""
+        """The session is over. A compile still under way is not waited for: its
+        variant serves no later step, and a restart compiles it again if needed."""
         self.forget()
-        if self._compiler is not None:
-            self._compiler.join()
 
 
 def swap_leaves(state: Any, part: Sequence[Any], new: Sequence[Any]) -> Any:

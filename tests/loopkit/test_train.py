@@ -397,8 +397,8 @@ def test_builtins_start_first_and_stop_last(tmp_path):
                   save_model_secs=600, save_summaries_secs=120, plugins=[User()])
     assert seen == [
         ("local_init", False, []),
-        ("start", True, ["goodput_start", "goodput", "summaries", "checkpoint",
-                         "step_counter"]),
+        ("start", True, ["goodput_start", "goodput", "summary writer", "summaries",
+                         "checkpoint", "step_counter"]),
         ("stop", True, []),
     ]
     assert sorted(p.name for p in tmp_path.glob("model.ckpt-*")) == ["model.ckpt-1.npz"]
