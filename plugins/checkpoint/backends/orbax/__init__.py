@@ -184,7 +184,7 @@ class OrbaxBackend(ReadsOrbax):
 
         # used by the save thread only: numpy arrays written in one batch, not copied
         # again (see _write and `write`)
-        writer = Saver(array_metadata=not (self.own_files and many), **options)
+        writer = Saver(**options)
         # own_files: orbax writes at the final path and marks it with its commit file
         # (as on GCS), not under a temporary name that only the primary renames: the
         # other processes' files would be left under that name in their own directories

@@ -47,11 +47,10 @@ class Saver:
     that failed.
     """
 
-    def __init__(self, array_metadata: bool = True, **options: Any) -> None:
-        """``array_metadata=False``: jax arrays without orbax's per-process array metadata
-        files, whose directory the primary creates and every other process waits for
-        (it never comes when each process writes in a directory of its own)."""
+    def __init__(self, **options: Any) -> None:
         import orbax.checkpoint as ocp
+
+        from loopkit.plugins.checkpoint.backends.orbax.sharded import array_handler_class
 
         primary = getattr(options.get("multiprocessing_options"), "primary_host", 0)
         if primary not in (0, None):  # process 0 writes numpy arrays; the primary joins them
@@ -59,16 +58,16 @@ class Saver:
                              f"not {primary}")
         self._writes = _Writes()
         th = ocp.type_handlers
-        handlers = {t: th.get_type_handler(t)
-                    for t in (int, float, bytes, np.number, jax.Array, str)}
+        handlers = {t: th.get_type_handler(t) for t in (int, float, bytes, np.number, str)}
+        # jax arrays (those no process holds whole) in one batch too (`sharded`)
         if primary is None:
             # Process-local checkpoints (every process the primary of its own directory,
             # as orbax's emergency checkpointing writes its local ones): a process writes
             # every shard it holds, not only those of replica 0, and its numpy arrays.
-            handlers[jax.Array] = th.ArrayHandler(primary_host=None, replica_id=None,
-                                                  use_replica_parallel=False)
-        elif not array_metadata:
-            handlers[jax.Array] = th.ArrayHandler(array_metadata_store=None)
+            handlers[jax.Array] = array_handler_class()(
+                self._writes, primary_host=None, replica_id=None, use_replica_parallel=False)
+        else:
+            handlers[jax.Array] = array_handler_class()(self._writes)
         # The save thread owns the arrays it hands to orbax (numpy leaves were copied
         # by the backend's `save`; the rest are views of immutable jax arrays), so
         # orbax's defensive copy is off: it would only double a save's memory.
@@ -101,11 +100,14 @@ class _Writes:
         with self._cv:
             return self._generation
 
-    def start(self, generation: int, jobs: list[tuple[tuple, str, Any]]) -> None:
-        """Open every array (all at once) and start its write; return once all are started.
+    def start(self, generation: int, jobs: list[tuple[tuple, str, list, bool]]) -> None:
+        """Open every array (all at once) and start its writes; return once all are started.
 
-        Each job is ``((spec, kvstore, kvstore key, context), name, value)``: the spec
-        without its path and the checkpoint's kvstore, or (kvstore None) a whole spec.
+        Each job is ``((spec, kvstore, kvstore key, context), name, regions, create)``:
+        the spec without its path and the checkpoint's kvstore, or (kvstore None) a
+        whole spec; ``regions``, ``[(index or None for all, value)]``; ``create``:
+        whether this process creates the array's metadata, else it opens it as the
+        spec describes it (`sharded`: the primary process writes it).
         """
         import tensorstore as ts
 
@@ -117,20 +119,24 @@ class _Writes:
         try:
             stores: dict[tuple[str, int], Any] = {}
             opening = []
-            for (spec, kvstore, where, context), name, _ in jobs:
+            for (spec, kvstore, where, context), name, _, create in jobs:
+                how = (dict(create=True, open=True) if create
+                       else dict(open=True, assume_metadata=True))
                 if kvstore is None:  # orbax's whole spec for this one array
-                    opening.append(ts.open(ts.Spec(spec), create=True, open=True,
-                                           context=context))
+                    opening.append(ts.open(ts.Spec(spec), context=context, **how))
                     continue
                 key = (where, id(context))
                 if key not in stores:
                     stores[key] = ts.KvStore.open(kvstore, context=context).result()
-                opening.append(ts.open(spec, kvstore=stores[key] / f"{name}/", create=True,
-                                       open=True, context=context))
+                opening.append(ts.open(spec, kvstore=stores[key] / f"{name}/",
+                                       context=context, **how))
             futures.extend(opening)
-            for i, (future, (_, _, value)) in enumerate(zip(opening, jobs)):
-                futures[i] = future.result().write(
-                    value, can_reference_source_data_indefinitely=True)
+            for future, (_, _, regions, _) in zip(opening, jobs):
+                array = future.result()
+                for index, value in regions:
+                    target = array if index is None else array[index]
+                    futures.append(target.write(
+                        value, can_reference_source_data_indefinitely=True))
         finally:
             with self._cv:
                 self._futures.extend(futures)
@@ -215,40 +221,52 @@ async def _write_batch(writes: _Writes, generation: int, values: Sequence[np.nda
         return  # as orbax's: numpy arrays are the same on every process
     # orbax gives one handler's arrays one parent directory (ParamInfo's contract)
     await infos[0].await_path_creation()
-    parent = infos[0].parent_dir
+    items = [(info, arg, value.shape, value.shape, value.dtype, [(None, value)], True)
+             for value, info, arg in zip(values, infos, args)]
+    await start_batch(writes, generation, items, infos[0].parent_dir)
+
+
+async def start_batch(writes: _Writes, generation: int, items: Sequence[tuple],
+                      parent: Any) -> None:
+    """Start the writes of ``items``, ``(info, save arg, global shape, shape of the part
+    each process writes, dtype, [(index, value)], create)`` each, in the directory
+    ``parent`` (see `_Writes.start`); return once all are under way."""
     groups: dict[tuple, tuple[Any, dict, str, Any] | None] = {}
     jobs = []
-    for value, info, arg in zip(values, infos, args):
+    for info, arg, shape, local, dtype, regions, create in items:
         # the dtype itself: int4, uint4 and float8_e4m3fn all have the str '<V1'
-        key = (value.shape, value.dtype, repr(arg), info.use_compression,
+        key = (shape, local, dtype, repr(arg), info.use_compression,
                info.use_zarr3, info.is_ocdbt_checkpoint,
                info.ocdbt_target_data_file_size, id(info.ts_context))
         if key not in groups:
-            groups[key] = _group_spec(info.replace(parent_dir=parent), value, arg)
+            groups[key] = _group_spec(info.replace(parent_dir=parent), shape, local, dtype, arg)
         group = groups[key]
         if group is None:  # a spec not seen here: opened whole, as orbax's handler does
             info = info.replace(parent_dir=parent)
-            group = (_write_spec(info, value, arg), None, None, info.ts_context)
-        jobs.append((group, info.name, value))
+            group = (_write_spec(info, shape, local, dtype, arg), None, None, info.ts_context)
+        jobs.append((group, info.name, regions, create))
     await asyncio.to_thread(writes.start, generation, jobs)
 
 
-def _write_spec(info: Any, value: np.ndarray, arg: Any) -> dict:
-    """orbax's tensorstore write spec for the numpy array ``value`` of ``info``."""
+def _write_spec(info: Any, shape: tuple[int, ...], local: tuple[int, ...], dtype: Any,
+                arg: Any) -> dict:
+    """orbax's tensorstore write spec for the array of ``info``: ``shape`` globally,
+    each process's part ``local`` (zarr's shard shape)."""
     import orbax.checkpoint as ocp
 
     return ocp.type_handlers.get_json_tspec_write(
-        info, use_ocdbt=info.is_ocdbt_checkpoint, global_shape=value.shape,
-        local_shape=value.shape, dtype=value.dtype,
+        info, use_ocdbt=info.is_ocdbt_checkpoint, global_shape=shape,
+        local_shape=local, dtype=dtype,
         process_index=ocp.multihost.process_index() if info.is_ocdbt_checkpoint else None,
         arg=arg)
 
 
-def _group_spec(info: Any, value: np.ndarray, arg: Any) -> tuple[Any, dict, str, Any] | None:
+def _group_spec(info: Any, shape: tuple[int, ...], local: tuple[int, ...], dtype: Any,
+                arg: Any) -> tuple[Any, dict, str, Any] | None:
     """orbax's write spec for ``info`` without the array's path, and the kvstore it names."""
     import tensorstore as ts
 
-    split = split_kvstore(_write_spec(info, value, arg), info.name)
+    split = split_kvstore(_write_spec(info, shape, local, dtype, arg), info.name)
     if split is None:
         return None
     # (the kvstore as JSON too: groups of one database open it once, in `_Writes.start`)
