@@ -9,7 +9,7 @@ processes (benchmarks/README.md). The handler here writes the very same arrays
 -- `ArrayHandler`'s type string, its write spec for each array (the global shape,
 the shard's shape as zarr's shard, the process's own OCDBT database), its keys
 and chunks, its ``_sharding`` entries -- through the batch of the numpy arrays
-(`write._Writes`): one spec per distinct shape, one database opened once, every
+(`batch.Writes`): one spec per distinct shape, one database opened once, every
 array opened and every shard written at once.
 
 Which shards a process writes is `ArrayHandler`'s rule: those of replica 0 of
@@ -32,13 +32,12 @@ import base64
 import functools
 import json
 import threading
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 import jax
 import numpy as np
 
-if TYPE_CHECKING:
-    from loopkit.plugins.checkpoint.backends.orbax.write import _Writes
+from loopkit.plugins.checkpoint.backends.orbax.batch import Writes, start_batch
 
 __all__ = ["array_handler_class", "shard_writes"]
 
@@ -141,7 +140,7 @@ def array_handler_class() -> type:
         Everything else (type string, metadata, reading) is orbax's own.
         """
 
-        def __init__(self, writes: _Writes, primary_host: int | None = 0,
+        def __init__(self, writes: Writes, primary_host: int | None = 0,
                      replica_id: int | None = 0, use_replica_parallel: bool | None = None
                      ) -> None:
             super().__init__(primary_host=primary_host, replica_id=replica_id,
@@ -170,37 +169,40 @@ def array_handler_class() -> type:
             rest = [i for i in range(len(values)) if i not in set(keys)]
             if rest:
                 futures.append(ocp.future.CommitFutureAwaitingContractedSignals(
-                    self._batch([values[i] for i in rest], [infos[i] for i in rest],
-                                [args[i] for i in rest], generation),
+                    _write_arrays(self.writes, generation, [values[i] for i in rest],
+                                  [infos[i] for i in rest], [args[i] for i in rest],
+                                  self.primary, self.replica, self.parallel),
                     name="loopkit_array_batch"))
             return futures
 
-        async def _batch(self, values: Sequence[jax.Array], infos: Sequence[Any],
-                         args: Sequence[Any], generation: int) -> None:
-            from loopkit.plugins.checkpoint.backends.orbax.write import start_batch
-
-            me = ocp.multihost.process_index()
-            create = self.primary is None or me == self.primary
-            await infos[0].await_path_creation()
-            parent = infos[0].parent_dir  # one directory for a handler's arrays (ParamInfo)
-            planned = [shard_writes(v, self.replica, self.parallel) for v in values]
-            # every host copy in one call (on CPU, views; elsewhere transfers begun together)
-            hosts = iter(jax.device_get([d for _, parts in planned for _, (d, *_) in parts]))
-            items, shardings = [], {}
-            for value, info, arg, (local, parts) in zip(values, infos, args, planned):
-                regions = []
-                for index, (_, axis, lo, hi) in parts:
-                    host = np.asarray(next(hosts))
-                    if axis is not None:
-                        host = host[(slice(None),) * axis + (slice(lo, hi),)]
-                    regions.append((index, host))
-                if create and (s := _serialized_sharding(value.sharding)) is not None:
-                    shardings[info.name] = s
-                if regions or create:
-                    items.append((info, arg, tuple(value.shape), local, value.dtype,
-                                  regions, create))
-            if create:
-                await asyncio.to_thread(_write_shardings, parent, shardings)
-            await start_batch(self.writes, generation, items, parent)
-
     return BatchedArrayHandler
+
+
+async def _write_arrays(writes: Writes, generation: int, values: Sequence[jax.Array],
+                        infos: Sequence[Any], args: Sequence[Any], primary: int | None,
+                        replica: int | None, parallel: bool) -> None:
+    """Start the writes of a handler's batch (`shard_writes`: which shards), and write
+    its shardings' file on the primary; return once all are under way."""
+    import orbax.checkpoint as ocp
+
+    create = primary is None or ocp.multihost.process_index() == primary
+    await infos[0].await_path_creation()
+    parent = infos[0].parent_dir  # one directory for a handler's arrays (ParamInfo)
+    planned = [shard_writes(v, replica, parallel) for v in values]
+    # every host copy in one call (on CPU, views; elsewhere transfers begun together)
+    hosts = iter(jax.device_get([d for _, parts in planned for _, (d, *_) in parts]))
+    items, shardings = [], {}
+    for value, info, arg, (local, parts) in zip(values, infos, args, planned):
+        regions = []
+        for index, (_, axis, lo, hi) in parts:
+            host = np.asarray(next(hosts))
+            if axis is not None:  # a replica's cut of its region
+                host = host[(slice(None),) * axis + (slice(lo, hi),)]
+            regions.append((index, host))
+        if create and (s := _serialized_sharding(value.sharding)) is not None:
+            shardings[info.name] = s
+        if regions or create:
+            items.append((info, arg, tuple(value.shape), local, value.dtype, regions, create))
+    if create:
+        await asyncio.to_thread(_write_shardings, parent, shardings)
+    await start_batch(writes, generation, items, parent)
