@@ -8,6 +8,7 @@ tens of µs of Python, which thousands of leaves add up.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from typing import Any, Iterable, Sequence
@@ -216,6 +217,13 @@ def _regions(sharding: Any, shape: tuple[int, ...]
     return regions, devices
 
 
+@functools.cache
+def _on(device: Any) -> Any:
+    """A sharding placing on ``device`` alone (jax places a list of them faster than a list
+    of devices)."""
+    return jax.sharding.SingleDeviceSharding(device)
+
+
 def addressable_regions(sharding: Any, shape: tuple[int, ...]) -> list[tuple[slice, ...]]:
     """The distinct regions of an array of ``shape`` placed by ``sharding`` that this
     process's devices hold (a restore reads those alone)."""
@@ -238,7 +246,7 @@ def put_regions(items: Sequence[tuple[tuple[int, ...], Any, list[np.ndarray]]]
         _, where = _regions(sharding, tuple(shape))
         for device, k in where:
             buffers.append(parts[k] if k not in used else parts[k].copy())
-            devices.append(device)
+            devices.append(_on(device))
             used.add(k)
         counts.append(len(where))
     placed = iter(jax.device_put(buffers, devices)) if buffers else iter(())
