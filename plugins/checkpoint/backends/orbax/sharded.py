@@ -20,9 +20,9 @@ creates each array's zarr metadata; the others open it as written
 (``assume_metadata``), as orbax's do. Orbax's per-process array metadata files
 are not written: they hold the shards' shape (zarr's metadata has it) and a
 typed key's implementation, and loopkit stores typed keys as their key data,
-with the implementation in its own head. A typed key given here goes to
-orbax's own `ArrayHandler`. Public contract only: `ArrayHandler`'s constructor
-and its public `serialize`, overridden.
+with the implementation in its own head (a typed key given here is stored as its
+key data, as orbax's handler stores it). Public contract only: `ArrayHandler`'s
+constructor and its public `serialize`, overridden.
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ def array_handler_class() -> type:
             super().__init__(primary_host=primary_host, replica_id=replica_id,
                              use_replica_parallel=use_replica_parallel,
                              array_metadata_store=None)
-            if use_replica_parallel is None:  # orbax's default: on, except on GPUs
+            if use_replica_parallel is None:  # as orbax's default: on, except on GPUs
                 use_replica_parallel = jax.default_backend() != "gpu"
             self.writes = writes
             self.primary = primary_host
@@ -160,20 +160,12 @@ def array_handler_class() -> type:
             generation = self.writes.generation()  # before anything can fail
             args = args or [ocp.SaveArgs()] * len(values)
             ocp.type_handlers.check_input_arguments(values, infos, args)
-            keys = [i for i, v in enumerate(values) if is_key(v.dtype)]
-            futures: list[Any] = []
-            if keys:  # orbax's own (it records a key's implementation)
-                futures.extend(await super().serialize(
-                    [values[i] for i in keys], [infos[i] for i in keys],
-                    [args[i] for i in keys]))
-            rest = [i for i in range(len(values)) if i not in set(keys)]
-            if rest:
-                futures.append(ocp.future.CommitFutureAwaitingContractedSignals(
-                    _write_arrays(self.writes, generation, [values[i] for i in rest],
-                                  [infos[i] for i in rest], [args[i] for i in rest],
-                                  self.primary, self.replica, self.parallel),
-                    name="loopkit_array_batch"))
-            return futures
+            # a typed key is stored as its key data, as orbax's handler stores it
+            values = [jax.random.key_data(v) if is_key(v.dtype) else v for v in values]
+            return [ocp.future.CommitFutureAwaitingContractedSignals(
+                _write_arrays(self.writes, generation, values, infos, args,
+                              self.primary, self.replica, self.parallel),
+                name="loopkit_array_batch")]
 
     return BatchedArrayHandler
 
