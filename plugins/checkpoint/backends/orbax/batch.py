@@ -36,8 +36,9 @@ class Writes:
         with self._cv:
             return self._generation
 
-    def start(self, generation: int, jobs: list[tuple[tuple, str, list, bool]]) -> None:
-        """Open every array (all at once) and start its writes; return once all are started.
+    def start(self, generation: int, jobs: list[tuple[tuple, str, list, bool]]) -> list[Any]:
+        """Open every array (all at once) and start its writes; return once all are started,
+        the tensorstore operations begun (`join` waits for them too).
 
         Each job is ``((spec, kvstore, kvstore key, context), name, regions, create)``:
         the spec without its path and the checkpoint's kvstore, or (kvstore None) a
@@ -49,7 +50,7 @@ class Writes:
 
         with self._cv:
             if generation != self._generation:
-                return  # its save was abandoned
+                return []  # its save was abandoned
             self._starting += 1
         futures: list[Any] = []  # every tensorstore operation begun, for `join`
         try:
@@ -78,12 +79,21 @@ class Writes:
                 self._futures.extend(futures)
                 self._starting -= 1
                 self._cv.notify_all()
+        return futures
 
-    def join(self) -> None:
-        """Wait for every write started; raise the first error once all have ended."""
-        with self._cv:
-            self._cv.wait_for(lambda: not self._starting)
-            futures, self._futures = self._futures, []
+    def finish(self, futures: list[Any]) -> None:
+        """Wait for ``futures`` (of `start`), no longer `join`'s to wait for; raise the first
+        error once all have ended."""
+        try:
+            self.wait(futures)
+        finally:
+            ids = {id(f) for f in futures}
+            with self._cv:
+                self._futures = [f for f in self._futures if id(f) not in ids]
+
+    @staticmethod
+    def wait(futures: list[Any]) -> None:
+        """Wait for ``futures``; raise the first error once all have ended."""
         error: BaseException | None = None
         for future in futures:
             try:
@@ -92,6 +102,13 @@ class Writes:
                 error = error or e
         if error is not None:
             raise error
+
+    def join(self) -> None:
+        """Wait for every write started; raise the first error once all have ended."""
+        with self._cv:
+            self._cv.wait_for(lambda: not self._starting)
+            futures, self._futures = self._futures, []
+        self.wait(futures)
 
     def abandon(self) -> None:
         """End the save's generation, then wait for what it began; its errors are dropped."""
@@ -103,10 +120,10 @@ class Writes:
             pass
 
 async def start_batch(writes: Writes, generation: int, items: Sequence[tuple],
-                      parent: Any) -> None:
+                      parent: Any) -> list[Any]:
     """Start the writes of ``items``, ``(info, save arg, global shape, shape of the part
     each process writes, dtype, [(index, value)], create)`` each, in the directory
-    ``parent`` (see `Writes.start`); return once all are under way."""
+    ``parent`` (see `Writes.start`); return once all are under way, their futures."""
     groups: dict[tuple, tuple[Any, dict, str, Any] | None] = {}
     jobs = []
     for info, arg, shape, local, dtype, regions, create in items:
@@ -121,7 +138,7 @@ async def start_batch(writes: Writes, generation: int, items: Sequence[tuple],
             info = info.replace(parent_dir=parent)
             group = (_write_spec(info, shape, local, dtype, arg), None, None, info.ts_context)
         jobs.append((group, info.name, regions, create))
-    await asyncio.to_thread(writes.start, generation, jobs)
+    return await asyncio.to_thread(writes.start, generation, jobs)
 
 
 def _write_spec(info: Any, shape: tuple[int, ...], local: tuple[int, ...], dtype: Any,

@@ -173,8 +173,8 @@ def array_handler_class() -> type:
 async def _write_arrays(writes: Writes, generation: int, values: Sequence[jax.Array],
                         infos: Sequence[Any], args: Sequence[Any], primary: int | None,
                         replica: int | None, parallel: bool) -> None:
-    """Start the writes of a handler's batch (`shard_writes`: which shards), and write
-    its shardings' file on the primary; return once all are under way."""
+    """Write a handler's batch (`shard_writes`: which shards), and its shardings' file on
+    the primary; return once all are written."""
     import orbax.checkpoint as ocp
 
     create = primary is None or ocp.multihost.process_index() == primary
@@ -197,4 +197,8 @@ async def _write_arrays(writes: Writes, generation: int, values: Sequence[jax.Ar
             items.append((info, arg, tuple(value.shape), local, value.dtype, regions, create))
     if create:
         await asyncio.to_thread(_write_shardings, parent, shardings)
-    await start_batch(writes, generation, items, parent)
+    started = await start_batch(writes, generation, items, parent)
+    # Done before this returns, on every process: orbax's `finalize` (where the numpy
+    # batch is waited for) runs on the primary alone, and the others' writes must be
+    # in their databases before orbax's barrier that precedes the merge.
+    await asyncio.to_thread(writes.finish, started)
