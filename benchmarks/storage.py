@@ -178,18 +178,20 @@ def processes(args, n: int, url: str, env: dict) -> dict:
     """`n` real jax.distributed processes saving and restoring; the chief's medians, with
     the slowest process's restore."""
     port = _port()
+    errors = [tempfile.TemporaryFile("w+") for _ in range(n)]  # files: a pipe could fill
     procs = [subprocess.Popen(
         [sys.executable, __file__, "--worker", str(i), "--port", str(port), "--url", url,
          "--nprocs", str(n),
          "--mb", str(args.mb), "--leaves", str(args.leaves), "--repeats", str(args.repeats)],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        stdout=subprocess.PIPE, stderr=errors[i], text=True,
         env=dict(os.environ, **env, JAX_PLATFORMS="cpu",
                  XLA_FLAGS="--xla_force_host_platform_device_count=1"))
         for i in range(n)]
     results = []
-    for p in procs:
+    for p, err in zip(procs, errors):
         out, _ = p.communicate(timeout=1800)
-        assert p.returncode == 0, f"worker failed ({p.returncode})"
+        err.seek(0)
+        assert p.returncode == 0, f"worker failed ({p.returncode}):\n{err.read()[-5000:]}"
         results.append(json.loads(out.strip().splitlines()[-1]))
     chief = next(r for r in results if r["process"] == 0)
     return dict(chief, restore=max(r["restore"] for r in results),

@@ -1,7 +1,7 @@
 """One process of a job saving or restoring a state of many leaves on a bucket, for
 tests/plugins/test_bucket_pods.py.
 
-    python leaves_worker.py URL NUM_PROCESSES PROCESS_ID PORT LEAVES save|restore
+    python leaves_worker.py URL NUM_PROCESSES PROCESS_ID PORT LEAVES save|restore|orbax
         [--per-leaf] [--values N]
 
 The state at step s: LEAVES float32 leaves of N values (default 2,048: 8 KiB), three in four
@@ -10,8 +10,10 @@ the leaf and s. ``save``: steps 1 and 2 committed (``COMMITTED s`` after each), 
 step 3 started and the process sleeps until it is killed. ``restore``: the latest
 committed step restored into the state's layout on this job and compared bit for bit
 (``RESTORED s equal=True fetched=A/B bytes=N``, N the bytes downloaded into the stage).
-``--per-leaf``: the layout earlier versions wrote with many processes (no OCDBT, one
-zarr3 array per leaf).
+``orbax``: URL is a local copy of a checkpoint directory, restored by plain orbax
+(`StandardCheckpointer`, the state's shardings as target) and compared bit for bit
+(``ORBAX s equal=True``). ``--per-leaf``: the layout earlier versions wrote with many
+processes (no OCDBT, one zarr3 array per leaf).
 """
 
 import os
@@ -42,18 +44,39 @@ def state_for(leaves, step, mesh):
         for i in range(leaves)}
 
 
+def equal(state, step, like):
+    """Every shard of ``state`` bitwise the values of ``step``, placed as ``like`` is."""
+    return all(state[k].sharding == x.sharding for k, x in like.items()) and all(np.asarray(shard.data).tobytes() == values(int(k[1:]), step)[shard.index].tobytes()
+               for k, x in state.items() for shard in x.addressable_shards)
+
+
+def plain_orbax(path, leaves, mesh, n):
+    import orbax.checkpoint as ocp
+
+    step = int(path.rsplit("-", 1)[1])
+    target = {k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+              for k, x in state_for(leaves, 0, mesh).items()}
+    with ocp.StandardCheckpointer() as ck:
+        state = ck.restore(path, target)
+    print(f"ORBAX {step} equal={equal(state, step, target)}", flush=True)
+    if n > 1:
+        jax.distributed.shutdown()
+
+
 def main():
     url, n, me, port, leaves, mode = sys.argv[1:7]
     n, me, leaves = int(n), int(me), int(leaves)
     if n > 1:
         jax.distributed.initialize(f"127.0.0.1:{port}", n, me, initialization_timeout=60)
+    mesh = jax.make_mesh((jax.device_count(),), ("d",))
+    if mode == "orbax":
+        return plain_orbax(url, leaves, mesh, n)
     from loopkit.plugins.checkpoint.backends.orbax import OrbaxBackend
     from loopkit.plugins.checkpoint.backends.staged import StagedBackend
 
     extra = {"use_ocdbt": False} if "--per-leaf" in sys.argv else {}
     backend = StagedBackend(url, "model.ckpt",
                             lambda p: OrbaxBackend(p, "model.ckpt", own_files=True, **extra))
-    mesh = jax.make_mesh((jax.device_count(),), ("d",))
     if mode == "save":
         for step in (1, 2, 3):
             backend.save(step, state_for(leaves, step, mesh), {"step": step})
@@ -69,10 +92,8 @@ def main():
     stage = backend.local.path(step)
     fetched = sum(f.stat().st_blocks * 512 for f in stage.rglob("*") if f.is_file())
     state, meta = backend.restore(step, like)
-    equal = meta == {"step": step} and all(
-        np.asarray(shard.data).tobytes() == values(int(k[1:]), step)[shard.index].tobytes()
-        for k, x in state.items() for shard in x.addressable_shards)
-    print(f"RESTORED {step} equal={equal} fetched={backend.last_fetch[0]}/"
+    same = meta == {"step": step} and equal(state, step, like)
+    print(f"RESTORED {step} equal={same} fetched={backend.last_fetch[0]}/"
           f"{backend.last_fetch[1]} bytes={fetched}", flush=True)
     backend.close()
     if n > 1:

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -97,3 +103,20 @@ def test_an_array_orbax_cannot_store_fails_the_save_and_the_next_one_commits(tmp
     got, _ = backend.restore(2, good)
     np.testing.assert_array_equal(got["stack"][49], good["stack"][49])
     backend.close()
+
+
+def test_jax_arrays_spread_over_devices_are_stored_as_orbax_s_array_handler_stores_them(
+        tmp_path):
+    """The writer's batched handler for jax arrays (what a process holds of a leaf spread
+    over processes) against orbax's own `ArrayHandler`, on 4 devices: the same keys and
+    bytes (shards, replica-parallel cuts, bf16, int4, a typed key's data), the same
+    ``_sharding`` entries, and plain orbax restores it into the shardings."""
+    worker = Path(__file__).with_name("sharded_writer_worker.py")
+    done = subprocess.run([sys.executable, str(worker), str(tmp_path)], capture_output=True,
+                          text=True, timeout=120, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["same_keys"] and result["differing"] == [], result
+    assert "rows/c/3/0" in result["keys"]  # a replicated leaf written in 4 cuts, one a replica
+    assert result["same_shardings"] and result["sharded"] == 7, result
+    assert result["restored"], result

@@ -8,6 +8,7 @@ tens of µs of Python, which thousands of leaves add up.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from typing import Any, Iterable, Sequence
@@ -190,6 +191,68 @@ def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     buf = np.empty(size + 64, np.uint8)
     start = -buf.__array_interface__["data"][0] % 64
     return np.ndarray(shape, dtype, buf, start)
+
+
+_REGIONS: dict[Any, tuple[list[tuple[slice, ...]], list[tuple[Any, int]]]] = {}
+
+
+def _regions(sharding: Any, shape: tuple[int, ...]
+             ) -> tuple[list[tuple[slice, ...]], list[tuple[Any, int]]]:
+    """The distinct regions this process's devices hold of an array of ``shape`` placed by
+    ``sharding``, and (device, its region's position) for each of those devices."""
+    key = (sharding, shape)
+    if key in _REGIONS:
+        return _REGIONS[key]
+    regions: list[tuple[slice, ...]] = []
+    seen: dict[tuple, int] = {}
+    devices = []
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        bounds = tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+        if bounds not in seen:
+            seen[bounds] = len(regions)
+            regions.append(tuple(slice(a, b) for a, b in bounds))
+        devices.append((device, seen[bounds]))
+    if len(_REGIONS) < 4096:
+        _REGIONS[key] = regions, devices
+    return regions, devices
+
+
+@functools.cache
+def _on(device: Any) -> Any:
+    """A sharding placing on ``device`` alone (jax places a list of them faster than a list
+    of devices)."""
+    return jax.sharding.SingleDeviceSharding(device)
+
+
+def addressable_regions(sharding: Any, shape: tuple[int, ...]) -> list[tuple[slice, ...]]:
+    """The distinct regions of an array of ``shape`` placed by ``sharding`` that this
+    process's devices hold (a restore reads those alone)."""
+    return _regions(sharding, tuple(shape))[0]
+
+
+def put_regions(items: Sequence[tuple[tuple[int, ...], Any, list[np.ndarray]]]
+                ) -> list[jax.Array]:
+    """Each ``(shape, sharding, parts)`` as a jax array: ``parts`` the values of its
+    `addressable_regions`, in their order, each placed on the devices holding it.
+
+    Every part goes to its device in one `jax.device_put` for all (a call per leaf
+    costs tens of µs); a part held by several devices is copied for each after the
+    first (on CPU a placed array may share the part's memory, and the devices' buffers
+    must not be one).
+    """
+    buffers, devices, counts = [], [], []
+    for shape, sharding, parts in items:
+        used = set()
+        _, where = _regions(sharding, tuple(shape))
+        for device, k in where:
+            buffers.append(parts[k] if k not in used else parts[k].copy())
+            devices.append(_on(device))
+            used.add(k)
+        counts.append(len(where))
+    placed = iter(jax.device_put(buffers, devices)) if buffers else iter(())
+    return [jax.make_array_from_single_device_arrays(
+                tuple(shape), sharding, [next(placed) for _ in range(n)])
+            for (shape, sharding, _), n in zip(items, counts)]
 
 
 def put_like(values: list[Any], likes: Iterable[tuple[int, Any, Any]]) -> None:

@@ -41,8 +41,9 @@ holds whole go to orbax as numpy arrays (the host copy; on CPU a view), which
 orbax stores exactly as it stores jax arrays but without writing each one's
 sharding to a metadata file in turn (most of a save's time with thousands of
 leaves), and without its defensive copy of numpy arrays (the thread owns them);
-`loopkit.plugins.checkpoint.backends.orbax.write` writes them all in one batch, the same bytes as
-orbax's own handler, a third of its time with thousands of leaves. Its barriers go through the
+`orbax.write` writes them all in one batch, the same bytes as orbax's own handler, a
+third of its time with thousands of leaves; leaves spread over processes go as jax
+arrays, written in one batch too (`orbax.sharded`). Its barriers go through the
 jax.distributed client (``active_processes`` set), not orbax's default device
 collectives, which in a background thread would interleave with the training
 step's own collectives in a different order on each process; every process
@@ -113,9 +114,8 @@ class OrbaxBackend(ReadsOrbax):
     by rename, unfsynced (the upload is the durable copy). With several processes
     each process's part is its own OCDBT database, which the chief merges once
     every part is uploaded (`merge_parts`; orbax's primary would see only its own
-    in its stage; ``use_ocdbt=False``: the earlier layout, a zarr3 array per leaf),
-    without orbax's per-process array metadata (the other processes would wait for
-    a directory the primary creates in its own stage). See docs/storage.md.
+    in its stage; ``use_ocdbt=False``: the earlier layout, a zarr3 array per leaf).
+    See docs/storage.md.
     """
 
     def __init__(self, directory: str | os.PathLike[str], basename: str = "model.ckpt",
@@ -184,7 +184,7 @@ class OrbaxBackend(ReadsOrbax):
 
         # used by the save thread only: numpy arrays written in one batch, not copied
         # again (see _write and `write`)
-        writer = Saver(array_metadata=not (self.own_files and many), **options)
+        writer = Saver(**options)
         # own_files: orbax writes at the final path and marks it with its commit file
         # (as on GCS), not under a temporary name that only the primary renames: the
         # other processes' files would be left under that name in their own directories

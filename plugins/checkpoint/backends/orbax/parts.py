@@ -223,11 +223,17 @@ def fetch_needed(path: Path, names: Sequence[str], get: Callable[[list[str]], No
         else:
             inline[key] = entry.get("inline_value", b"")
 
+    parsed: dict[bytes, Any] = {}  # leaves of one shape and dtype share their zarr.json
+
     def read_json(key: str) -> Any:
         if key in inline:
-            return json.loads(inline[key])
-        name, offset, length = located[key]
-        return json.loads(read(name, offset, offset + length))
+            raw = inline[key]
+        else:
+            name, offset, length = located[key]
+            raw = read(name, offset, offset + length)
+        if raw not in parsed:
+            parsed[raw] = json.loads(raw)
+        return parsed[raw]
 
     kept = objects_needed(list(located) + list(inline), read_json, like)
     wanted = located if kept is None else [k for k in kept if k in located]

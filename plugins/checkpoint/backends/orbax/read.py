@@ -28,7 +28,8 @@ from loopkit.plugins.checkpoint.backends.orbax.layout import (
     HEAD_KEY, READS, Head, is_orbax_tree, split_kvstore,
 )
 from loopkit.plugins.checkpoint.backends.placement import (
-    aligned_empty, layouts_hold, like_leaves, placement, put_into, put_like,
+    addressable_regions, aligned_empty, layouts_hold, like_leaves, placement, put_into,
+    put_like, put_regions,
 )
 from loopkit.plugins.checkpoint.backends.records import (
     LeafRecord, chosen, dtype_name, finish, host_value, nest, read_records, reading,
@@ -189,20 +190,24 @@ def stored_arrays(path: Path) -> tuple[set[tuple[str, ...]], bool] | None:
 
 
 def read_direct(path: Path, wanted: dict[str, tuple[str, ...]],
-                place: Callable[[list[str], list[np.ndarray]], list[Any]] | None = None,
-                stored: tuple[set[tuple[str, ...]], bool] | None = None) -> dict[str, Any]:
-    """Whole arrays of ``wanted`` (name -> stored path) read with tensorstore alone.
+                place: Callable[[list[str], list[Any]], list[Any]] | None = None,
+                stored: tuple[set[tuple[str, ...]], bool] | None = None,
+                regions: dict[str, list[tuple[slice, ...]]] | None = None) -> dict[str, Any]:
+    """Arrays of ``wanted`` (name -> stored path) read with tensorstore alone.
 
     The same zarr arrays orbax's restore reads, through orbax's own read specs, but
     all opened and read at once in one context, each straight into a buffer jax
     adopts: orbax's restore adds per-array Python (tree metadata, partial-restore
-    trimming) and a copy out of tensorstore's buffers, most of a restore's time
-    (benchmarks/README.md). Leaves orbax stores otherwise are left out, for
-    orbax's restore (``stored``: the stored paths of plain arrays and whether they are
-    zarr3, when known; else orbax's `metadata()` says). ``place(names, arrays)``, if given, turns each batch of arrays
-    read into what is returned for them (jax arrays), while the later reads are
-    still under way: with thousands of leaves the placement's Python is as long as
-    the reads.
+    trimming, for a leaf spread over processes about 2 ms of it) and a copy out of
+    tensorstore's buffers, most of a restore's time (benchmarks/README.md). A name
+    in ``regions`` is read only in those regions (global indices: the parts of a
+    leaf this process's devices hold), and comes back as the list of them; every
+    other whole. Leaves orbax stores otherwise are left out, for orbax's restore
+    (``stored``: the stored paths of plain arrays and whether they are zarr3, when
+    known; else orbax's `metadata()` says). ``place(names, values)``, if given,
+    turns each batch read into what is returned for them (jax arrays), while the
+    later reads are still under way: with thousands of leaves the placement's
+    Python is as long as the reads.
     """
     # long: opening, reading and placing in one tensorstore context, in the order its
     # buffers are handed on
@@ -217,6 +222,7 @@ def read_direct(path: Path, wanted: dict[str, tuple[str, ...]],
     names = [n for n, p in wanted.items() if p in arrays]
     if not names:
         return {}
+    regions = regions or {}
     ocdbt = ocp.type_handlers.is_ocdbt_checkpoint(epath.Path(path))
     # orbax's cache of OCDBT tree nodes (not of array data): each array's reads look
     # their keys up in the same tree (a cold restore of 16 leaves measured 20% faster)
@@ -235,26 +241,32 @@ def read_direct(path: Path, wanted: dict[str, tuple[str, ...]],
         opening = [ts.open(base, kvstore=store / (".".join(wanted[n]) + "/"), context=context,
                            open=True, read=True) for n in names]
         reads = []  # each read starts as soon as its array is open
-        for opened in opening:
+        for name, opened in zip(names, opening):
             array = opened.result()
-            out = aligned_empty(tuple(array.shape), np.dtype(array.dtype.numpy_dtype))
-            # The target is held until its read is done, and let go on this thread:
-            # the last reference to `out` dropped on a tensorstore thread makes that
-            # thread wait for the GIL, and the reads queued behind it with it (4,096
-            # leaves restored 7-10% faster, in wall and CPU time)
-            target = ts.array(out, copy=False, write=True)
-            reads.append((out, target.write(array), target))
+            parts = []
+            for index in regions.get(name, [None]):
+                source = array if index is None else array[index].translate_to[0]
+                out = aligned_empty(tuple(source.shape), np.dtype(array.dtype.numpy_dtype))
+                # The target is held until its read is done, and let go on this thread:
+                # the last reference to `out` dropped on a tensorstore thread makes that
+                # thread wait for the GIL, and the reads queued behind it with it (4,096
+                # leaves restored 7-10% faster, in wall and CPU time)
+                target = ts.array(out, copy=False, write=True)
+                parts.append((out, target.write(source), target))
+            reads.append((parts, name in regions))
     values: dict[str, Any] = {}
     start = size = 0  # the batch read since `start`, and its bytes
-    for i, (out, read, _) in enumerate(reads):
-        try:
-            read.result()
-        except Exception as e:
-            raise CheckpointError(f"checkpoint {path} cannot be read: {e}") from e
-        size += out.nbytes
+    for i, (parts, split_up) in enumerate(reads):
+        for out, read, _ in parts:
+            try:
+                read.result()
+            except Exception as e:
+                raise CheckpointError(f"checkpoint {path} cannot be read: {e}") from e
+            size += out.nbytes
         end = i + 1
         if end == len(reads) or size >= _BATCH_BYTES or end - start >= _BATCH_LEAVES:
-            batch, done = names[start:end], [r[0] for r in reads[start:end]]
+            batch = names[start:end]
+            done = [[p[0] for p in r[0]] if r[1] else r[0][0][0] for r in reads[start:end]]
             values.update(zip(batch, place(batch, done) if place else done))
             reads[start:end] = [None] * (end - start)  # their targets let go here, on this thread
             start, size = end, 0
@@ -272,7 +284,8 @@ def read_arrays(reader: Any, path: Path, head: Head, records: Sequence[LeafRecor
     import orbax.checkpoint as ocp
 
     stored, args, puts = {}, {}, {}
-    host: dict[str, tuple[str, ...]] = {}  # read whole to the host
+    host: dict[str, tuple[str, ...]] = {}  # read directly: whole, or the regions in `parts`
+    parts: dict[str, tuple[tuple[int, ...], Any, list[tuple[slice, ...]]]] = {}
     stored_as: list[str | None] = []  # each record's name in orbax (None: not in orbax)
     hold = layouts_hold(like, head.records, str(path))
     for rec in records:
@@ -284,28 +297,35 @@ def read_arrays(reader: Any, path: Path, head: Head, records: Sequence[LeafRecor
                                      rec.layout if hold else None)
         name = "/".join(rec.path or ("state",))
         stored_as.append(name)
-        stored[name] = rec.path or ("state",)
+        stored[name] = host[name] = rec.path or ("state",)
         if as_jax and sharding is not None and not sharding.is_fully_addressable:
-            # orbax reads only this process's shards
+            # only the regions this process's devices hold (orbax's restore, should
+            # the direct read not know the layout)
             args[name] = ocp.ArrayRestoreArgs(sharding=sharding, global_shape=struct.shape)
+            parts[name] = (struct.shape, sharding, addressable_regions(sharding, struct.shape))
         else:
             # This process needs every byte anyway: read to the host and place it
             # here (orbax's jax path fills a zeroed host buffer, then copies it
             # to the device).
-            host[name] = stored[name]
             args[name] = ocp.RestoreArgs(restore_type=np.ndarray)
             if as_jax:
                 puts[name] = sharding
+
     def place(names: list[str], arrays: list[Any]) -> list[Any]:
-        """The arrays of a batch that go to a device, placed in one call (one per leaf adds up)."""
+        """A batch's arrays placed on their devices, each kind in one call (one per leaf
+        adds up): those read whole, and those read in regions."""
         mine = [i for i, n in enumerate(names) if n in puts]
         put_into(arrays, mine, [puts[names[i]] for i in mine])
+        spread = [i for i, n in enumerate(names) if n in parts]
+        for i, x in zip(spread, put_regions([(*parts[names[i]][:2], arrays[i])
+                                             for i in spread])):
+            arrays[i] = x
         return arrays
 
     # Which leaves are plain arrays: loopkit's head says (it stores every leaf as one),
     # else orbax's `metadata()` (a head written before it recorded zarr3, anyone's tree)
     known = (set(host.values()), head.zarr3) if head.zarr3 is not None else None
-    values = read_direct(path, host, place, known)
+    values = read_direct(path, host, place, known, {n: p[2] for n, p in parts.items()})
     placed = set(values)
     rest = [p for n, p in stored.items() if n not in values]
     if rest:

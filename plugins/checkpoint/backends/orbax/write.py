@@ -25,16 +25,14 @@ waits for them too (`Saver.abandon`). The orbax functions used are public:
 
 from __future__ import annotations
 
-import asyncio
 import functools
-import json
-import threading
 from typing import Any, Sequence
 
 import jax
 import numpy as np
 
-from loopkit.plugins.checkpoint.backends.orbax.layout import split_kvstore
+from loopkit.plugins.checkpoint.backends.orbax.batch import Writes, start_batch
+from loopkit.plugins.checkpoint.backends.orbax.sharded import array_handler_class
 
 __all__ = ["Saver"]
 
@@ -47,28 +45,25 @@ class Saver:
     that failed.
     """
 
-    def __init__(self, array_metadata: bool = True, **options: Any) -> None:
-        """``array_metadata=False``: jax arrays without orbax's per-process array metadata
-        files, whose directory the primary creates and every other process waits for
-        (it never comes when each process writes in a directory of its own)."""
+    def __init__(self, **options: Any) -> None:
         import orbax.checkpoint as ocp
 
         primary = getattr(options.get("multiprocessing_options"), "primary_host", 0)
         if primary not in (0, None):  # process 0 writes numpy arrays; the primary joins them
             raise ValueError(f"primary_host must be 0 (process 0 writes numpy arrays), "
                              f"not {primary}")
-        self._writes = _Writes()
+        self._writes = Writes()
         th = ocp.type_handlers
-        handlers = {t: th.get_type_handler(t)
-                    for t in (int, float, bytes, np.number, jax.Array, str)}
+        handlers = {t: th.get_type_handler(t) for t in (int, float, bytes, np.number, str)}
+        # jax arrays (those no process holds whole) in one batch too (`sharded`)
         if primary is None:
             # Process-local checkpoints (every process the primary of its own directory,
             # as orbax's emergency checkpointing writes its local ones): a process writes
             # every shard it holds, not only those of replica 0, and its numpy arrays.
-            handlers[jax.Array] = th.ArrayHandler(primary_host=None, replica_id=None,
-                                                  use_replica_parallel=False)
-        elif not array_metadata:
-            handlers[jax.Array] = th.ArrayHandler(array_metadata_store=None)
+            handlers[jax.Array] = array_handler_class()(
+                self._writes, primary_host=None, replica_id=None, use_replica_parallel=False)
+        else:
+            handlers[jax.Array] = array_handler_class()(self._writes)
         # The save thread owns the arrays it hands to orbax (numpy leaves were copied
         # by the backend's `save`; the rest are views of immutable jax arrays), so
         # orbax's defensive copy is off: it would only double a save's memory.
@@ -81,85 +76,6 @@ class Saver:
     def abandon(self) -> None:
         """Wait for the writes of a failed save; their errors are dropped (the save failed)."""
         self._writes.abandon()
-
-
-class _Writes:
-    """The array writes of the save in flight (one save at a time, as the backend saves).
-
-    A save that failed is abandoned: its generation ends, and a batch of it that had
-    not begun its writes yet (another handler's failure can end a save while this
-    one's batch is still being prepared) writes nothing.
-    """
-
-    def __init__(self) -> None:
-        self._cv = threading.Condition()
-        self._futures: list[Any] = []
-        self._starting = 0  # `start` calls under way
-        self._generation = 0
-
-    def generation(self) -> int:
-        with self._cv:
-            return self._generation
-
-    def start(self, generation: int, jobs: list[tuple[tuple, str, Any]]) -> None:
-        """Open every array (all at once) and start its write; return once all are started.
-
-        Each job is ``((spec, kvstore, kvstore key, context), name, value)``: the spec
-        without its path and the checkpoint's kvstore, or (kvstore None) a whole spec.
-        """
-        import tensorstore as ts
-
-        with self._cv:
-            if generation != self._generation:
-                return  # its save was abandoned
-            self._starting += 1
-        futures: list[Any] = []  # every tensorstore operation begun, for `join`
-        try:
-            stores: dict[tuple[str, int], Any] = {}
-            opening = []
-            for (spec, kvstore, where, context), name, _ in jobs:
-                if kvstore is None:  # orbax's whole spec for this one array
-                    opening.append(ts.open(ts.Spec(spec), create=True, open=True,
-                                           context=context))
-                    continue
-                key = (where, id(context))
-                if key not in stores:
-                    stores[key] = ts.KvStore.open(kvstore, context=context).result()
-                opening.append(ts.open(spec, kvstore=stores[key] / f"{name}/", create=True,
-                                       open=True, context=context))
-            futures.extend(opening)
-            for i, (future, (_, _, value)) in enumerate(zip(opening, jobs)):
-                futures[i] = future.result().write(
-                    value, can_reference_source_data_indefinitely=True)
-        finally:
-            with self._cv:
-                self._futures.extend(futures)
-                self._starting -= 1
-                self._cv.notify_all()
-
-    def join(self) -> None:
-        """Wait for every write started; raise the first error once all have ended."""
-        with self._cv:
-            self._cv.wait_for(lambda: not self._starting)
-            futures, self._futures = self._futures, []
-        error: BaseException | None = None
-        for future in futures:
-            try:
-                future.result()
-            except BaseException as e:  # noqa: BLE001 - the first is raised after the rest end
-                error = error or e
-        if error is not None:
-            raise error
-
-    def abandon(self) -> None:
-        """End the save's generation, then wait for what it began; its errors are dropped."""
-        with self._cv:
-            self._generation += 1
-        try:
-            self.join()
-        except Exception:  # noqa: BLE001 - the save's own error is the one raised
-            pass
-
 
 @functools.cache
 def _numpy_handler_class() -> type:
@@ -175,7 +91,7 @@ def _numpy_handler_class() -> type:
         coroutine, as `TypeHandler.serialize` asks of a handler that writes.
         """
 
-        def __init__(self, writes: _Writes, every_process: bool = False) -> None:
+        def __init__(self, writes: Writes, every_process: bool = False) -> None:
             self.numpy = ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False)
             self.writes = writes
             self.every_process = every_process  # else process 0 alone writes them
@@ -205,7 +121,7 @@ def _numpy_handler_class() -> type:
     return BatchedNumpyHandler
 
 
-async def _write_batch(writes: _Writes, generation: int, values: Sequence[np.ndarray],
+async def _write_batch(writes: Writes, generation: int, values: Sequence[np.ndarray],
                        infos: Sequence[Any], args: Sequence[Any],
                        every_process: bool = False) -> None:
     """Start every write of a handler's batch; return once all are under way."""
@@ -215,45 +131,9 @@ async def _write_batch(writes: _Writes, generation: int, values: Sequence[np.nda
         return  # as orbax's: numpy arrays are the same on every process
     # orbax gives one handler's arrays one parent directory (ParamInfo's contract)
     await infos[0].await_path_creation()
-    parent = infos[0].parent_dir
-    groups: dict[tuple, tuple[Any, dict, str, Any] | None] = {}
-    jobs = []
-    for value, info, arg in zip(values, infos, args):
-        # the dtype itself: int4, uint4 and float8_e4m3fn all have the str '<V1'
-        key = (value.shape, value.dtype, repr(arg), info.use_compression,
-               info.use_zarr3, info.is_ocdbt_checkpoint,
-               info.ocdbt_target_data_file_size, id(info.ts_context))
-        if key not in groups:
-            groups[key] = _group_spec(info.replace(parent_dir=parent), value, arg)
-        group = groups[key]
-        if group is None:  # a spec not seen here: opened whole, as orbax's handler does
-            info = info.replace(parent_dir=parent)
-            group = (_write_spec(info, value, arg), None, None, info.ts_context)
-        jobs.append((group, info.name, value))
-    await asyncio.to_thread(writes.start, generation, jobs)
-
-
-def _write_spec(info: Any, value: np.ndarray, arg: Any) -> dict:
-    """orbax's tensorstore write spec for the numpy array ``value`` of ``info``."""
-    import orbax.checkpoint as ocp
-
-    return ocp.type_handlers.get_json_tspec_write(
-        info, use_ocdbt=info.is_ocdbt_checkpoint, global_shape=value.shape,
-        local_shape=value.shape, dtype=value.dtype,
-        process_index=ocp.multihost.process_index() if info.is_ocdbt_checkpoint else None,
-        arg=arg)
-
-
-def _group_spec(info: Any, value: np.ndarray, arg: Any) -> tuple[Any, dict, str, Any] | None:
-    """orbax's write spec for ``info`` without the array's path, and the kvstore it names."""
-    import tensorstore as ts
-
-    split = split_kvstore(_write_spec(info, value, arg), info.name)
-    if split is None:
-        return None
-    # (the kvstore as JSON too: groups of one database open it once, in `_Writes.start`)
-    return ts.Spec(split[0]), split[1], json.dumps(split[1], sort_keys=True), info.ts_context
-
+    items = [(info, arg, value.shape, value.shape, value.dtype, [(None, value)], True)
+             for value, info, arg in zip(values, infos, args)]
+    await start_batch(writes, generation, items, infos[0].parent_dir)
 
 @functools.cache
 def _pytree_handler_class() -> tuple[type, type]:
@@ -263,7 +143,7 @@ def _pytree_handler_class() -> tuple[type, type]:
     class PyTreeHandler(ocp.PyTreeCheckpointHandler):
         """orbax's, but `finalize` first waits for the arrays' writes (see the module)."""
 
-        def __init__(self, writes: _Writes, **options: Any) -> None:
+        def __init__(self, writes: Writes, **options: Any) -> None:
             super().__init__(**options)
             self.writes = writes
 
