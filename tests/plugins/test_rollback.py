@@ -421,17 +421,10 @@ def _cases():
     return steps + timed
 
 
-@pytest.mark.timeout(240)
-def test_a_bad_value_on_one_of_two_processes_before_a_durable_save_rolls_both_back(tmp_path):
-    """Twenty runs of a two-process job (one `jax.distributed` start, each run a few
-    seconds at most): process p's batch goes NaN, its host-local state with it, at or
-    just before a durable save. The save carries the guard's verdict: no save of the
-    bad state, both processes roll back at the same step, every time, and each run ends
-    bit for bit where a run whose data never held the skipped batches ends."""
+def _two_processes(tmp_path, cases: list) -> list[str]:
+    """Run `cases` (tests/workers/rollback_worker.py) on a two-process job: its outputs."""
     import json
 
-    cases = _cases()
-    assert len(cases) == 20
     port = free_port()
     worker = os.path.join(os.path.dirname(__file__), "..", "workers", "rollback_worker.py")
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
@@ -439,6 +432,19 @@ def test_a_bad_value_on_one_of_two_processes_before_a_durable_save_rolls_both_ba
                                    json.dumps(cases)], tmp_path, env=env, timeout=200)
     texts = [t for _, t in ran]
     assert [rc for rc, _ in ran] == [0, 0], [t[-3000:] for t in texts]
+    return texts
+
+
+@pytest.mark.timeout(240)
+def test_a_bad_value_on_one_of_two_processes_before_a_durable_save_rolls_both_back(tmp_path):
+    """Twenty runs of a two-process job (one `jax.distributed` start, each run a few
+    seconds at most): process p's batch goes NaN, its host-local state with it, at or
+    just before a durable save. The save carries the guard's verdict: no save of the
+    bad state, both processes roll back at the same step, every time, and each run ends
+    bit for bit where a run whose data never held the skipped batches ends."""
+    cases = _cases()
+    assert len(cases) == 20
+    texts = _two_processes(tmp_path, cases)
     clean = {}
     for k, (_, bad, save_steps, _) in enumerate(cases):
         rolls = [re.findall(rf"^ROLLBACK {k} (\d+) (\d+) (\d+) (\d+)$", t, re.M) for t in texts]
@@ -462,18 +468,10 @@ def test_a_bad_value_near_the_end_of_two_processes_data_rolls_back_and_trains_to
     """Finite data (30 batches) on two processes, so the end is agreed ahead: a bad value
     at the last step is rolled back, not raised at the stop; and a replay near the end
     trains the batches again to the data's end, not `back` steps short of it."""
-    import json
-
     # [bad process, bad step, saves every, secs, the data's end, on_guard]
     cases = [[1, 30, 5, None, 30, "rollback"], [1, 30, 5, None, 30, "replay"],
              [0, 27, 5, None, 30, "replay"], [1, 27, 5, None, 30, "rollback"]]
-    port = free_port()
-    worker = os.path.join(os.path.dirname(__file__), "..", "workers", "rollback_worker.py")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    ran = run_processes(lambda i: [sys.executable, worker, str(tmp_path), str(i), str(port),
-                                   json.dumps(cases)], tmp_path, env=env, timeout=200)
-    texts = [t for _, t in ran]
-    assert [rc for rc, _ in ran] == [0, 0], [t[-3000:] for t in texts]
+    texts = _two_processes(tmp_path, cases)
     for k, (_, bad, _, _, end, on_guard) in enumerate(cases):
         rolls = [re.findall(rf"^ROLLBACK {k} (\d+) (\d+) (\d+) (\d+)$", t, re.M) for t in texts]
         assert rolls[0] == rolls[1], (k, rolls)  # together
