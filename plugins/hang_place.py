@@ -53,6 +53,14 @@ def _has(frames: list[FrameType], function: Any) -> bool:
     return any(f.f_code is code for f in frames)
 
 
+def _in_train_loop(frames: list[FrameType]) -> bool:
+    """Whether `loopkit.train`'s own loop is on the stack (its module's file, exactly)."""
+    import importlib
+
+    train = importlib.import_module("loopkit.train").__file__
+    return any(f.f_code.co_filename == train and f.f_code.co_name == "_loop" for f in frames)
+
+
 def _step_file() -> str:
     import loopkit.loop.step
 
@@ -112,8 +120,6 @@ def place(session: Any, first: bool) -> str:
     session's first step completed (then `session.phase` says what the start-up did)."""
     from loopkit.loop.session import Session
     from loopkit.plugins.prefetch import Feed
-    from loopkit.train import _loop
-
     frames = _stack(threading.main_thread())
     batch = "the first batch" if first else f"the batch of step {session.step + 1}"
     if _has(frames, Session.run):
@@ -121,7 +127,7 @@ def place(session: Any, first: bool) -> str:
         return f"{doing}: {_inside(frames)}"
     if _has(frames, Feed._wait_for_batch):
         return f"waiting for {batch}: {_prefetch(session.config.data_transform)}"
-    if _has(frames, _loop):
+    if _in_train_loop(frames):
         inner = _inside(frames)
         if inner.startswith("at "):  # train's loop reads the source itself
             return f"waiting for {batch}: the main thread is inside the data source, " \

@@ -7,8 +7,9 @@ takes the GIL after finalisation began is ended with ``pthread_exit``; jaxlib's 
 the compile takes the GIL every 200 ms and cannot unwind: "FATAL: exception not
 rethrown", 30 exits of 30 on jax 0.10.2).
 
-So the thread is a daemon, and while one compiles, the start of the interpreter's
-exit (`threading._shutdown`, the first thing ``Py_FinalizeEx`` calls) is taken over:
+In a `loopkit run` child (its runner owns the process's life: a preempted job's grace
+period is its business), the thread is a daemon, and while one compiles, the start of
+the interpreter's exit (`threading._shutdown`, the first thing ``Py_FinalizeEx`` calls) is taken over:
 after Python's own thread shutdown and the atexit functions, with the standard streams
 and open files flushed, the process ends with `os._exit` and the status Python would
 have used. That status is read from how the main thread's outermost frame ended: it
@@ -16,14 +17,18 @@ returned (0), an uncaught exception (1, its traceback already printed; SIGINT fo
 KeyboardInterrupt, as Python does), or `sys.exit(code)` (code). Where it cannot be known
 (`raise SystemExit` itself, an interactive interpreter), the exit waits for the
 compile, then goes on as Python's own.
+
+Anywhere else the thread is not a daemon and the exit waits for the compile, as
+Python's does: taking over the interpreter's exit (and `sys.exit`) is a process-wide
+change that a script the user runs by itself did not ask for.
 """
 
 from __future__ import annotations
 
-import _io
 import atexit
 import dis
 import gc
+import io
 import logging
 import os
 import signal
@@ -32,6 +37,8 @@ import threading
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
+
+from loopkit.process.run_status import STATUS_ENV
 
 __all__ = ["compile_in_background", "compiling"]
 
@@ -78,9 +85,12 @@ def _run(compile_: Callable[[], None]) -> None:
 
 
 def _take_over_exit() -> bool:
-    """Put `_shutdown` in front of threading's (once); False where there is none
-    (another Python): the thread is then not a daemon, and the exit waits for it."""
+    """Put `_shutdown` in front of threading's (once); False outside a `loopkit run`
+    child, or where there is none (another Python): the thread is then not a daemon,
+    and the exit waits for it."""
     global _python_shutdown
+    if not os.environ.get(STATUS_ENV):
+        return False
     if _python_shutdown is None:
         if not callable(getattr(threading, "_shutdown", None)):
             return False
@@ -168,7 +178,7 @@ def _end(status: int) -> None:
     except BaseException:  # noqa: BLE001, S110 - each function ran; Python goes on too
         pass
     for obj in gc.get_objects():  # what finalisation would flush as it frees them
-        if isinstance(obj, _io._IOBase):
+        if isinstance(obj, io.IOBase):
             try:
                 if not obj.closed and obj.writable():
                     obj.flush()

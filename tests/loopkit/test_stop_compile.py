@@ -99,6 +99,12 @@ TRAIN = DEEP + textwrap.dedent(
 )
 
 
+def _as_runner_child(tmp_path) -> dict[str, str]:
+    """The environment `loopkit run` gives its child (its status file): only there does
+    loopkit take over the interpreter's exit (the last test shows a script by itself)."""
+    return {**ENV, "LOOPKIT_RUN_STATUS": str(tmp_path / "status.json")}
+
+
 def _lines(out: str, head: str) -> list[list[str]]:
     return [line.split()[1:] for line in out.splitlines() if line.startswith(head)]
 
@@ -107,7 +113,8 @@ def test_a_sigterm_while_the_save_variant_compiles_exits_after_the_final_save(tm
     script = tmp_path / "train.py"
     script.write_text(TRAIN)
     proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "run"), "self"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_as_runner_child(tmp_path))
     out, err = proc.communicate(timeout=300)  # waiting for the compile: never
     ended = time.time()
     assert proc.returncode == 0, err[-3000:]
@@ -196,7 +203,8 @@ def test_the_exit_keeps_pythons_status_while_a_compile_runs(tmp_path, mode, stat
     script = tmp_path / "exits.py"
     script.write_text(EXITS)
     r = subprocess.run([sys.executable, str(script), mode, str(tmp_path / "kept")],
-                       capture_output=True, text=True, env=ENV, timeout=300, check=False)
+                       capture_output=True, text=True, env=_as_runner_child(tmp_path),
+                       timeout=300, check=False)
     assert r.returncode == status, r.stderr[-3000:]
     assert r.stdout.startswith("ENDING"), r.stdout  # flushed
     assert (tmp_path / "kept").read_text() == "kept"
@@ -245,3 +253,23 @@ def test_a_second_train_in_the_process_runs_beside_the_first_ones_compile(tmp_pa
     for t in held_now:
         t.join(60)
     assert not any(t.is_alive() for t in held_now)
+
+
+def test_a_script_run_by_itself_keeps_pythons_exit(monkeypatch):
+    """Outside `loopkit run` the interpreter's exit is left as it is (a process-wide
+    change the user did not ask for): the compile thread is not a daemon, and neither
+    `sys.exit` nor threading's shutdown is replaced."""
+    import threading
+
+    from loopkit.process.background_compile import compile_in_background
+
+    monkeypatch.delenv("LOOPKIT_RUN_STATUS", raising=False)
+    exit_, shutdown = sys.exit, threading._shutdown
+    gate = threading.Event()
+    thread = compile_in_background(lambda: gate.wait(60), name="held")
+    try:
+        assert not thread.daemon
+        assert sys.exit is exit_ and threading._shutdown is shutdown
+    finally:
+        gate.set()
+        thread.join(60)

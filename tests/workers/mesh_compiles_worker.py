@@ -51,7 +51,14 @@ def counted(fn):
         logging.getLogger(name).addHandler(handler)
         logging.getLogger(name).propagate = False
     try:
-        return fn(), {"compiled": handler.names, "cache_hits": handler.hits}
+        result = fn()
+        # `train` returns while the save variant may still compile in the background
+        # (a stop never waits for it): counted here too, once it is done
+        from loopkit.process.background_compile import compiling
+
+        for thread in compiling():
+            thread.join()
+        return result, {"compiled": handler.names, "cache_hits": handler.hits}
     finally:
         jax.config.update("jax_log_compiles", False)
         for name in LOGGERS:
