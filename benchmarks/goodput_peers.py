@@ -16,8 +16,8 @@ The chaos, ``--minutes`` per variant, in fresh directories: at random moments (u
 in [0.5, 1.5] x ``--kill-every`` seconds after each start) both processes are SIGKILLed
 (a dead process takes the job with it), ONE process's local directory is wiped (a
 replaced machine; process 0's at the first kill, then 1's, 0's, ...), and the job is
-started again on a new coordinator port. A job that dies by itself (a process lost, the other then ends) is
-restarted without a wipe. At the end a SIGTERM to both stops the job cleanly.
+started again on a new coordinator port. A job that dies by itself (a process lost, the
+other then ends) is restarted without a wipe. At the end a SIGTERM to both stops the job cleanly.
 
 Variants:
 
@@ -28,7 +28,9 @@ Variants:
 Reported per variant: the goodput fraction and badput by cause (`loopkit.goodput` on
 the logdir), the restores' tiers (the ledger's `Start` records), and the steps lost
 per kill (the step reached at the kill, written by process 0 after each step, against
-the step the next session opened at).
+the step the next session opened at). The ledger counts as recompute only the work up
+to the killed session's last summary window (every 10 s); the rest of the lost work falls
+in its downtime, so the steps lost per kill are the direct measure.
 """
 
 from __future__ import annotations
