@@ -22,8 +22,9 @@ Variants, each ``--minutes`` long, in fresh log directories:
 7. the same, each kill also wiping the killed process's local directory (a replaced
    machine: every restart restores from the durable tier, and "auto" follows them).
 
-One process each (the script starts no ``jax.distributed`` job, so peer copies,
-``local_replicas``, are not measured here). For the "auto" variants the intervals
+One process each (the script starts no ``jax.distributed`` job: peer copies,
+``local_replicas``, under the same chaos with wiped machines are measured by
+benchmarks/goodput_peers.py, a two-process job). For the "auto" variants the intervals
 the run picked (its log) are reported with the ledger's process deaths and lost
 machines.
 
