@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 import jax
 import numpy as np
 
+from loopkit.process.background_compile import when_idle
 from loopkit.process.compile_cache import use_compilation_cache
 from loopkit.loop.coordinator import (
     Coordinator, LooperThread, SignalHandlers, add_note, raise_stop_errors,
@@ -377,8 +378,8 @@ class Session:
             try:
                 self._end()
             finally:
-                if self._uncache is not None:
-                    self._uncache()
+                if self._uncache is not None:  # once a save variant's compile is cached
+                    when_idle(self._uncache)
                     self._uncache = None
         raise_stop_errors(  # a thread that failed during shutdown counts too
             error if error is not None else coord.exception, stop_errors)

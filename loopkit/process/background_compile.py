@@ -40,12 +40,13 @@ from typing import Any
 
 from loopkit.process.run_status import STATUS_ENV
 
-__all__ = ["compile_in_background", "compiling"]
+__all__ = ["compile_in_background", "compiling", "when_idle"]
 
 log = logging.getLogger("loopkit")
 
 _lock = threading.Lock()
 _running: set[threading.Thread] = set()
+_idle: list[Callable[[], None]] = []  # what runs once no compile runs (`when_idle`)
 _outermost: list[FrameType | None] = [None]  # the main thread's outermost frame
 # the main thread's latest sys.exit: (SystemExit, where its outermost frame was then)
 _exited: list[tuple[SystemExit, FrameType, int] | None] = [None]
@@ -58,6 +59,17 @@ def compiling() -> list[threading.Thread]:
     """The background compiles still under way."""
     with _lock:
         return list(_running)
+
+
+def when_idle(then: Callable[[], None]) -> None:
+    """Call `then` now when no background compile runs, else once the last one ends (in
+    its thread): a session's close gives JAX's cache settings back this way, so that a
+    compile outliving its session still writes to the session's compilation cache."""
+    with _lock:
+        if _running:
+            _idle.append(then)
+            return
+    then()
 
 
 def compile_in_background(compile_: Callable[[], None], name: str) -> threading.Thread:
@@ -80,8 +92,13 @@ def _run(compile_: Callable[[], None]) -> None:
     finally:
         with _lock:
             _running.discard(threading.current_thread())
-            if not _running and sys.exit is _exit:
-                sys.exit = _python_exit
+            then = []
+            if not _running:
+                then, _idle[:] = list(_idle), []
+                if sys.exit is _exit:
+                    sys.exit = _python_exit
+        for fn in then:
+            fn()
 
 
 def _take_over_exit() -> bool:

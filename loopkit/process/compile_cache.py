@@ -5,7 +5,8 @@ again. Short compiles are cached too (JAX keeps only those over a second by
 default, and a small step compiles in less). A cache the user configured
 (``JAX_COMPILATION_CACHE_DIR`` or ``jax.config``) is left alone, and so is
 everything with ``compilation_cache=False``; the settings loopkit changed are
-given back when the session closes.
+given back when the session closes, or, when the step's save variant still compiles
+in the background then, once that compile (which writes to this cache) is done.
 """
 
 from __future__ import annotations

@@ -28,6 +28,12 @@ WORKER = Path(__file__).with_name("leaves_worker.py")
 TIMEOUT = 240  # a deadlock fails the test instead of hanging CI
 
 
+#: a process's objects in a checkpoint: its database's manifest and data files. How many
+#: data files a commit of the compacted database makes is tensorstore's choice (1-4 seen,
+#: with the timing of orbax's writes), not the leaf count's: the per-leaf layout wrote
+#: 8,195 objects a process at 4,096 leaves
+PER_PROCESS = 6
+
 def start(url, n, leaves, mode, tmp_path, *extra):
     port = free_port()
     procs = []
@@ -113,9 +119,9 @@ def test_many_leaves_from_two_processes_are_a_few_objects_each_and_resume_bitwis
                    for i in (0, 1)}
     # a few objects per process (a manifest and a data file or two), not one per leaf
     counts = {i: len(v) for i, v in per_process.items()}
-    assert all(1 <= n <= 4 for n in counts.values()), (counts, sorted(objects))
+    assert all(1 <= n <= PER_PROCESS for n in counts.values()), (counts, sorted(objects))
     # with the metadata, the merged database, each process's report and the marker
-    assert len(objects) <= 12 + 4 * 2, sorted(objects)
+    assert len(objects) <= 12 + PER_PROCESS * 2, sorted(objects)
 
     results = restored(url, 2, leaves, tmp_path)
     step = results[0][0]
@@ -162,8 +168,8 @@ def test_four_processes_write_a_database_each_resume_bitwise_and_restore_on_two(
     objects = [k.split("/", 2)[2] for k in store.objects("run/model.ckpt-2/")]
     for i in range(4):
         mine = [o for o in objects if o.startswith(f"ocdbt.process_{i}/")]
-        assert 1 <= len(mine) <= 4, (i, mine)
-    assert len(objects) <= 12 + 4 * 4, sorted(objects)
+        assert 1 <= len(mine) <= PER_PROCESS, (i, mine)
+    assert len(objects) <= 12 + PER_PROCESS * 4, sorted(objects)
     results = restored(url, 4, leaves, tmp_path)
     step = results[0][0]
     assert step in (2, 3) and all(r[0] == step and r[1] for r in results), results
