@@ -9,7 +9,10 @@ child sends itself SIGTERM after step 3 while that compile is still under way, s
 stop makes the final save (step 3), `train` returns, and the script ends normally.
 Reported per run: whether the compile was still running at the signal, the time from
 the signal to `train` returning (the final save included) and to the process's exit
-(seen by the parent), and the exit status.
+(seen by the parent), and the exit status. The child runs with the environment `loopkit
+run` gives its children (its status file), where loopkit ends the process without
+waiting for the compile; ``--by-itself``: a script run by itself, whose exit (Python's
+own) waits for it.
 """
 
 from __future__ import annotations
@@ -68,12 +71,16 @@ def child(logdir: str, layers: int, width: int) -> None:
     print("MARKS " + json.dumps(marks), flush=True)
 
 
-def run_once(layers: int, width: int) -> dict:
+def run_once(layers: int, width: int, by_itself: bool = False) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
+        env = dict(os.environ)
+        env.pop("LOOPKIT_RUN_STATUS", None)
+        if not by_itself:  # what `loopkit run` sets for its child
+            env["LOOPKIT_RUN_STATUS"] = os.path.join(tmp, "status.json")
         proc = subprocess.run(
             [sys.executable, __file__, "--child", os.path.join(tmp, "run"),
              "--layers", str(layers), "--width", str(width)],
-            capture_output=True, text=True, timeout=600, check=False)
+            capture_output=True, text=True, timeout=600, check=False, env=env)
         ended = time.time()
     lines = [line for line in proc.stdout.splitlines() if line.startswith("MARKS ")]
     if not lines:
@@ -89,6 +96,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--layers", type=int, default=500)
     parser.add_argument("--width", type=int, default=16)
+    parser.add_argument("--by-itself", action="store_true",
+                        help="run the child as a script by itself, not as a loopkit run child")
     parser.add_argument("--child")
     args = parser.parse_args()
     if args.child:
@@ -98,7 +107,7 @@ def main() -> None:
           f"{args.width}x{args.width}")
     runs = []
     for i in range(args.repeats):
-        r = run_once(args.layers, args.width)
+        r = run_once(args.layers, args.width, args.by_itself)
         runs.append(r)
         print(f"run {i + 1}: status {r['status']}, compiling at the signal: {r['compiling']}, "
               f"signal -> train returned {r['returned']:.2f} s, -> exit {r['exit']:.2f} s "

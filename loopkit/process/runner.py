@@ -17,7 +17,7 @@ forwards each SIGINT/SIGTERM it receives once to the child's group, which stops
 cleanly (a final checkpoint); the runner then exits with the child's exit code,
 without a restart (a SIGHUP, a closed terminal, goes to the child as SIGTERM). A
 runner that dies itself (SIGKILL) takes its child along: on Linux the child gets
-SIGTERM at that moment (``PR_SET_PDEATHSIG``) and stops cleanly. A
+SIGTERM at that moment (``PR_SET_PDEATHSIG``) and stops (as a rule cleanly). A
 signal while no child runs (the backoff) ends the runner with 128 + the signal's
 number. Each restart is logged with the step the child
 reached, its exit and the last lines of its stderr, and, for the chief's child
