@@ -215,6 +215,24 @@ def restart_costs(logdir: Path, args: argparse.Namespace) -> dict:
             "raw_bytes": n, "cached_compile": comp}
 
 
+def badput_table(rows: list[dict]) -> None:
+    """The goodput and badput (% of wall) of each row's ``report``, as markdown rows
+    (benchmarks/goodput_peers.py prints the same)."""
+    from loopkit.plugins.goodput.report import CAUSES
+
+    print("\n| cause (% of wall) | " + " | ".join(r["name"] for r in rows) + " |")
+    print("|---|" + "---|" * len(rows))
+    print("| **goodput** | " + " | ".join(f"**{100 * r['report'].fraction:.1f}**"
+                                         for r in rows) + " |")
+    for cause in CAUSES:
+        vals = []
+        for r in rows:
+            v = r["report"].badput[cause]
+            v = sum(v.values()) if isinstance(v, dict) else v
+            vals.append(f"{100 * v / r['report'].wall_secs:.1f}")
+        print(f"| {cause} | " + " | ".join(vals) + " |")
+
+
 def _spread(values: list[float]) -> str:
     if not values:
         return "-"
@@ -268,19 +286,7 @@ def main() -> None:
               f"{r.suggested_save_secs:.1f} s; process deaths {r.process_deaths}, lost "
               f"machines {r.lost_machines}; durable intervals picked {row['picked']}",
               flush=True)
-    from loopkit.plugins.goodput.report import CAUSES
-
-    print("\n| cause (% of wall) | " + " | ".join(r["name"] for r in rows) + " |")
-    print("|---|" + "---|" * len(rows))
-    print("| **goodput** | " + " | ".join(f"**{100 * r['report'].fraction:.1f}**"
-                                         for r in rows) + " |")
-    for cause in CAUSES:
-        vals = []
-        for r in rows:
-            v = r["report"].badput[cause]
-            v = sum(v.values()) if isinstance(v, dict) else v
-            vals.append(f"{100 * v / r['report'].wall_secs:.1f}")
-        print(f"| {cause} | " + " | ".join(vals) + " |")
+    badput_table(rows)
     print("| SIGKILLs / sessions | " + " | ".join(
         f"{r['kills']} / {r['report'].sessions}" for r in rows) + " |")
     print("| restart to first step, s (median) | " + " | ".join(

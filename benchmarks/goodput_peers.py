@@ -206,19 +206,10 @@ def report(row: dict, base: Path) -> dict:
 
 
 def table(rows: list[dict]) -> None:
-    from loopkit.plugins.goodput.report import CAUSES
+    sys.path.insert(0, str(Path(__file__).parent))
+    from goodput import badput_table  # the same rows as the one-process benchmark
 
-    print("\n| cause (% of wall) | " + " | ".join(r["name"] for r in rows) + " |")
-    print("|---|" + "---|" * len(rows))
-    print("| **goodput** | " + " | ".join(f"**{100 * r['report'].fraction:.1f}**"
-                                         for r in rows) + " |")
-    for cause in CAUSES:
-        vals = []
-        for r in rows:
-            v = r["report"].badput[cause]
-            v = sum(v.values()) if isinstance(v, dict) else v
-            vals.append(f"{100 * v / r['report'].wall_secs:.1f}")
-        print(f"| {cause} | " + " | ".join(vals) + " |")
+    badput_table(rows)
     print("| kills (a wipe each) / sessions | " + " | ".join(
         f"{r['kills']} / {r['report'].sessions}" for r in rows) + " |")
     print("| restores by tier (ledger) | " + " | ".join(
