@@ -14,25 +14,10 @@ from __future__ import annotations
 import json
 import logging
 import sys
-import time
 
 import loopkit
 from crash_worker import data, init, step_fn
-from loopkit.plugins.checkpoint import RESTORED_TIER
-
-DURABLE_STEPS = 20
-LOCAL_STEPS = 3
-STEP_SLEEP_SECS = 0.02
-
-
-class Announce:
-    @loopkit.hookimpl
-    def session_create(self, session) -> None:
-        print(f"started {session.step} {session.stash[RESTORED_TIER]}", flush=True)
-
-    @loopkit.hookimpl
-    def after_step(self, session, step: int) -> None:
-        time.sleep(STEP_SLEEP_SECS)  # room for the test to kill it between saves
+from local_tier_worker import DURABLE_STEPS, LOCAL_STEPS, Announce  # the same trainer
 
 
 def main(argv: list[str]) -> None:
