@@ -2,6 +2,7 @@
 
     python benchmarks/storage.py [--mb 64] [--leaves 16] [--repeats 3]
         [--stores s3,gs] [--processes 1,2,4] [--no-local] [--no-npz]
+    STORAGE_PROFILE=folder python benchmarks/storage.py ...   # cProfile each process
 
 Starts moto's S3 server and ``fake-gcs-server`` on 127.0.0.1 (as the tests do).
 With 1 process, for each backend, per save of the same state: how long `save`
@@ -23,6 +24,7 @@ cores), not a real store's.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -114,36 +116,63 @@ def make_state(mb: int, leaves: int, sharding=None) -> dict:
             for k, v in host.items()}
 
 
-def timed_saves(backend, state, repeats: int) -> tuple[float, float]:
-    """Median hold (save) and commit (save + wait) over `repeats` saves, in seconds."""
-    holds, commits = [], []
+@contextlib.contextmanager
+def _profiled(what: str):
+    """cProfile of the block into ``$STORAGE_PROFILE/<what>-<process>.prof`` when that
+    variable names a folder (each repeat overwrites the last)."""
+    folder = os.environ.get("STORAGE_PROFILE")
+    if not folder:
+        yield
+        return
+    import cProfile
+
+    import jax
+
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        yield
+    finally:
+        prof.disable()
+        prof.dump_stats(os.path.join(folder, f"{what}-{jax.process_index()}.prof"))
+
+
+def timed_saves(backend, state, repeats: int) -> tuple[float, float, float]:
+    """Median hold (save), commit (save + wait) and the process's CPU time during the
+    commit (all its threads) over `repeats` saves, in seconds."""
+    holds, commits, cpu = [], [], []
     for step in range(repeats):
-        t0 = time.perf_counter()
-        backend.save(step, state, {})
-        t1 = time.perf_counter()
-        backend.wait()
+        t0, c0 = time.perf_counter(), time.process_time()
+        with _profiled("commit"):
+            backend.save(step, state, {})
+            t1 = time.perf_counter()
+            backend.wait()
         t2 = time.perf_counter()
         holds.append(t1 - t0)
         commits.append(t2 - t0)
+        cpu.append(time.process_time() - c0)
     backend.close()
-    return statistics.median(holds), statistics.median(commits)
+    return statistics.median(holds), statistics.median(commits), statistics.median(cpu)
 
 
-def timed_restores(make, like, step: int, repeats: int) -> tuple[float, tuple | None]:
+def timed_restores(make, like, step: int, repeats: int) -> tuple[float, float, tuple | None]:
     """Median time of `restore(step, like)` by a fresh backend (nothing downloaded yet),
-    and what the last one downloaded: (objects, objects in the checkpoint)."""
+    the process's CPU time during it, and what the last one downloaded: (objects,
+    objects in the checkpoint)."""
     import jax
 
-    times, fetched = [], None
+    times, cpu, fetched = [], [], None
     for _ in range(repeats):
         backend = make()
-        t0 = time.perf_counter()
-        state, _ = backend.restore(step, like)
-        jax.block_until_ready(state)
+        t0, c0 = time.perf_counter(), time.process_time()
+        with _profiled("restore"):
+            state, _ = backend.restore(step, like)
+            jax.block_until_ready(state)
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
         fetched = getattr(backend, "last_fetch", None)
         backend.close()
-    return statistics.median(times), fetched
+    return statistics.median(times), statistics.median(cpu), fetched
 
 
 def worker(args) -> None:
@@ -164,13 +193,19 @@ def worker(args) -> None:
     state = make_state(args.mb, args.leaves, NamedSharding(mesh, P("d")))
 
     def make():
+        if args.url.startswith("disk:"):  # one directory every process writes (a durable disk)
+            return OrbaxBackend(args.url[len("disk:"):], "model.ckpt")
+        if args.url.startswith("local:"):  # the local tier: a directory per process
+            return OrbaxBackend(os.path.join(args.url[len("local:"):], f"p{args.worker}"),
+                                "model.ckpt", process_local=True)
         return StagedBackend(args.url, "model.ckpt",
                              lambda p: OrbaxBackend(p, "model.ckpt", own_files=True))
 
-    hold, commit = timed_saves(make(), state, args.repeats)
-    restore, fetched = timed_restores(make, state, args.repeats - 1, args.repeats)
+    hold, commit, commit_cpu = timed_saves(make(), state, args.repeats)
+    restore, restore_cpu, fetched = timed_restores(make, state, args.repeats - 1, args.repeats)
     print(json.dumps({"process": args.worker, "hold": hold, "commit": commit,
-                      "restore": restore, "fetched": fetched}), flush=True)
+                      "restore": restore, "fetched": fetched, "commit_cpu": commit_cpu,
+                      "restore_cpu": restore_cpu}), flush=True)
     jax.distributed.shutdown()
 
 
@@ -195,7 +230,8 @@ def processes(args, n: int, url: str, env: dict) -> dict:
         results.append(json.loads(out.strip().splitlines()[-1]))
     chief = next(r for r in results if r["process"] == 0)
     return dict(chief, restore=max(r["restore"] for r in results),
-                fetched=[r["fetched"] for r in results])
+                fetched=[r["fetched"] for r in results],
+                cpu=[(r["commit_cpu"], r["restore_cpu"]) for r in results])
 
 
 def main() -> None:
@@ -248,11 +284,31 @@ def main() -> None:
         print(f"raw durable local write {local_w * 1e3:.0f} ms")
         if 1 in counts and args.local:
             for name, make in (("npz", NpzBackend), ("orbax", OrbaxBackend)):
-                hold, commit = timed_saves(make(tmp / f"{name}-local", "model.ckpt"), state,
+                hold, commit, _ = timed_saves(make(tmp / f"{name}-local", "model.ckpt"), state,
                                            args.repeats)
                 rows.append((name, "local", 1, hold, commit, None, None, local_w, None,
                              "durable write"))
-        for store in args.stores.split(","):
+        raw_file = tmp / "raw-read"
+        raw_file.write_bytes(raw)
+
+        def raw_read() -> float:
+            t0 = time.perf_counter()
+            raw_file.read_bytes()
+            return time.perf_counter() - t0
+
+        for store in [s for s in args.stores.split(",") if s in ("disk", "local")]:
+            # on this machine's disk: the durable tier in one directory, or the local tier
+            read = statistics.median(raw_read() for _ in range(args.repeats))
+            print(f"{store}: raw durable write {local_w * 1e3:.0f} ms, read (page cache) "
+                  f"{read * 1e3:.0f} ms", flush=True)
+            for n in counts:
+                r = processes(args, n, f"{store}:{tmp / f'{store}-{n}'}", {})
+                rows.append(("orbax", store, n, r["hold"], r["commit"], r["restore"],
+                             r["fetched"], local_w, read, "durable write"))
+                print(f"  {n} process(es): commit {r['commit'] * 1e3:.0f} ms, restore "
+                      f"{r['restore'] * 1e3:.0f} ms; CPU s per process (commit/restore): "
+                      + ", ".join(f"{c:.2f}/{v:.2f}" for c, v in r["cpu"]), flush=True)
+        for store in [s for s in args.stores.split(",") if s not in ("disk", "local")]:
             env, bucket, stop = (start_s3() if store == "s3"
                                  else start_gcs(tmp / "gcs.log"))
             try:
@@ -274,7 +330,7 @@ def main() -> None:
                       f"download {download * 1e3:.0f} ms", flush=True)
                 if 1 in counts and args.npz:
                     url = f"{store}://{bucket}/npz-1"
-                    hold, commit = timed_saves(StagedBackend(
+                    hold, commit, _ = timed_saves(StagedBackend(
                         url, "model.ckpt", lambda p: NpzBackend(p, "model.ckpt")), state,
                         args.repeats)
                     rows.append(("npz", store, 1, hold, commit, None, None, upload, download,
@@ -284,7 +340,9 @@ def main() -> None:
                     rows.append(("orbax", store, n, r["hold"], r["commit"], r["restore"],
                                  r["fetched"], upload, download, "upload"))
                     print(f"  {n} process(es): commit {r['commit'] * 1e3:.0f} ms, restore "
-                          f"{r['restore'] * 1e3:.0f} ms, fetched {r['fetched']}", flush=True)
+                          f"{r['restore'] * 1e3:.0f} ms, fetched {r['fetched']}; CPU s per "
+                          "process (commit/restore): "
+                          + ", ".join(f"{c:.2f}/{v:.2f}" for c, v in r["cpu"]), flush=True)
             finally:
                 stop()
                 for k in env:
@@ -296,7 +354,9 @@ def main() -> None:
                 + (f"{restore * 1e3:7.0f} ms" if restore is not None else " " * 10)
                 + f"  {commit / base:.2f}x raw {basis} ({base * 1e3:.0f} ms)")
         if restore is not None:
-            line += f"; {restore / down:.2f}x raw download ({down * 1e3:.0f} ms)"
+            line += (f"; {restore / down:.2f}x raw "
+                     f"{'read' if where in ('disk', 'local') else 'download'} "
+                     f"({down * 1e3:.0f} ms)")
         if fetched:
             line += f"; objects fetched {fetched}"
         print(line)

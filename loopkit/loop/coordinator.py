@@ -222,7 +222,11 @@ class LooperThread(threading.Thread):
 class SignalHandlers:
     """SIGINT/SIGTERM during a session: the first stops after the current step.
 
-    A second signal aborts (KeyboardInterrupt). With many processes the stop
+    A second signal aborts (KeyboardInterrupt). Under `loopkit run` a SIGHUP, the
+    runner's death (`runner._on_parent_death`), stops the same way, and never
+    aborts: the kernel repeats it as it hands the process from one of the dying
+    runner's threads to the next, so a SIGHUP after any first signal is ignored
+    (outside the runner SIGHUP keeps its own handler). With many processes the stop
     waits for the processes to agree on a step (`Coordinator.signal_pending`),
     so none is left in a collective the others skipped. Installed only in the
     main thread; `restore()` puts the previous handlers back.
@@ -244,8 +248,11 @@ class SignalHandlers:
             return
         import jax
 
+        from loopkit.process.run_status import STATUS_ENV
+
         self._many = jax.process_count() > 1  # asked now: the handler calls no JAX
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        runner = bool(os.environ.get(STATUS_ENV))  # a `loopkit run` child
+        for sig in (signal.SIGINT, signal.SIGTERM) + ((signal.SIGHUP,) if runner else ()):
             with contextlib.suppress(ValueError, OSError):  # not the main interpreter
                 self._saved[sig] = signal.signal(sig, self._handle)
 
@@ -255,11 +262,15 @@ class SignalHandlers:
         self._saved.clear()
 
     def _handle(self, signum: int, frame: Any) -> None:
+        if signum == signal.SIGHUP and self._seen:
+            return  # the runner's death, told again, or after a stop already under way
         self._seen += 1
         if self._seen > 1:
             self.restore()
             raise KeyboardInterrupt
         name = signal.Signals(signum).name
+        if signum == signal.SIGHUP:
+            name += " (the runner died)"
         again = ("press Ctrl-C again to abort" if signum == signal.SIGINT
                  else "a second signal aborts")
         with contextlib.suppress(OSError):  # no stderr: the stop matters, not the line
