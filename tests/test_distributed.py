@@ -371,6 +371,39 @@ def test_two_processes_resume_from_their_own_local_tiers_bitwise(tmp_path):
 
 
 
+def _machines(run):
+    """(restored step, tier, what the ledger says of the machine) of each restored session."""
+    import json
+
+    cli = subprocess.run([sys.executable, "-m", "loopkit", "goodput", str(run), "--sessions",
+                          "--json"], capture_output=True, text=True, timeout=60, check=False)
+    assert cli.returncode == 0, cli.stderr
+    return [(r["restored_step"], r["restored_tier"], r["machine"])
+            for r in json.loads(cli.stdout) if r["restored_step"] is not None]
+
+
+def test_a_lost_machine_beside_a_chief_that_lived_is_recorded_lost(tmp_path):
+    """The ledger's word on the previous session's machine (which `save_model_secs="auto"`
+    counts) is every process's, not the chief's alone: killed after step 11 (durable
+    10, each local tier 6 and 9) both machines lived; killed after 21 (durable 20,
+    local 15 and 18) with process 1's machine replaced, its local tier wiped, a
+    machine was lost, though the chief's local tier is as after a process death."""
+    run, local = tmp_path / "run", tmp_path / "local"
+    run.mkdir()
+    common = ("--save-steps", "10", "--shard-state", "--step-sleep", "0.02")
+    tiers = ("--local-dir", str(local), *plan(run / "plan", ["crash 11", "crash 21", "ok"],
+                                              ["crash 11", "crash 21", "ok"]))
+    finish(start(run, run, 2, 30, *common, *tiers, devices=2), ok=False)
+    assert [local_steps(local / f"process-{i}") for i in range(2)] == [{6, 9}] * 2
+    finish(start(run, run, 2, 30, *common, *tiers, devices=2), ok=False)
+    assert loopkit.latest_checkpoint(run)[0] == 20
+    assert local_steps(local / "process-0") == {15, 18}
+    shutil.rmtree(local / "process-1")
+    outs = finish(start(run, run, 2, 30, *common, *tiers, devices=2))
+    assert all("READY 20 " in out and "TIER durable" in out for _, out, _ in outs), outs
+    assert _machines(run) == [(10, "durable", "lived"), (20, "durable", "lost")]
+
+
 def test_a_failed_local_save_on_one_process_stops_both_with_its_error(tmp_path):
     """Process 1's local save of step 6 fails (its disk full, say): the failure stops
     both processes at the same agreement, process 1 with that error, even when its

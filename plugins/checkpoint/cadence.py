@@ -3,18 +3,21 @@
 The goodput plugin offers the policy (`shared.AUTO_INTERVAL`); this module asks it
 for the intervals at the start and after saves, and sets the timers the user left
 to it. `machine_fate` is what a restore says of the machine the previous session
-ran on, which the ledger records (`shared.MACHINE`): a process death is the local
-tier's job, a lost machine the durable tier's (or its peers').
+ran on, which the ledger records (`shared.MACHINE`; `agreed_fate`: over every
+process): a process death is the local tier's job, a lost machine the durable
+tier's (or its peers').
 """
 
 from __future__ import annotations
 
 from typing import Any, Collection
 
+import jax
+
 from loopkit.config import Config
 from loopkit.plugins.shared import AUTO_INTERVAL, IntervalPolicy
 
-__all__ = ["Cadence", "machine_fate"]
+__all__ = ["Cadence", "agreed_fate", "machine_fate"]
 
 
 def machine_fate(restored_from: str | None, step: int | None,
@@ -38,6 +41,19 @@ def machine_fate(restored_from: str | None, step: int | None,
     if not local_steps or max(local_steps) >= step:
         return "lost"
     return "lived"
+
+
+def agreed_fate(restored_from: str | None, step: int | None,
+                local_steps: Collection[int]) -> str | None:
+    """`machine_fate` over every process: "lost" when some process's machine was lost
+    (the chief's may have lived beside it). Every process calls it at the restore;
+    None (nothing restored) is the same on all, and then no collective is entered."""
+    fate = machine_fate(restored_from, step, local_steps)
+    if fate is None or jax.process_count() == 1:
+        return fate
+    from loopkit.plugins.checkpoint.collectives import any_process
+
+    return "lost" if any_process(fate == "lost") else fate
 
 
 class Cadence:

@@ -49,7 +49,7 @@ from loopkit.plugins.checkpoint.replicas import SAVE_VETO, agree_to_save, host_c
 from loopkit.plugins.checkpoint.peers import open_peers
 from loopkit.plugins.checkpoint.retention import CheckpointList
 from loopkit.plugins.checkpoint.tier import SharedHold, Tier, refuse_a_file
-from loopkit.plugins.checkpoint.cadence import Cadence, machine_fate
+from loopkit.plugins.checkpoint.cadence import Cadence, agreed_fate
 from loopkit.plugins.shared import MACHINE, RESTORED_TIER, SAVE_TIMES, SaveTimes
 
 __all__ = ["BUILTIN_BACKENDS", "INACTIVE", "CheckpointPlugin", "plugin"]
@@ -210,7 +210,7 @@ class CheckpointPlugin:
             "peer" if tier.peers is not None and tier.peers.from_peer else tier.kind)
         session.stash[RESTORED_TIER] = self.restored_from
         if self.local is not None:  # the ledger tells a process death from a lost machine
-            session.stash[MACHINE] = machine_fate(self.restored_from, step, held)
+            session.stash[MACHINE] = agreed_fate(self.restored_from, step, held)
         if found is None:
             return None
         self._restored = (found.step, sorted(map(id, jax.tree.leaves(found.state))))
