@@ -12,76 +12,18 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 import loopkit
 from loopkit.testing import free_port
 
-WORKER = Path(__file__).parent / "workers" / "distributed_worker.py"
-TIMEOUT = 150  # a deadlock fails the test instead of hanging CI
+from distributed_jobs import (  # tests/plugins: the jobs' helpers
+    WORKER, finish, load, local_steps, plan, start, wait_ready,
+)
 
 
-def start(logdir, out, n, steps, *extra, sleeps=None, devices=1):
-    port = free_port()
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
-    procs = []
-    for i in range(n):
-        args = [sys.executable, str(WORKER), str(logdir), str(out / f"p{i}.npz"), str(n), str(i),
-                str(port), str(steps), *extra]
-        if sleeps:
-            args += ["--step-sleep", str(sleeps[i])]
-        # files, not pipes: a chatty process must never block on a full pipe
-        stdout = open(out / f"p{i}.{port}.out", "w+")
-        stderr = open(out / f"p{i}.{port}.err", "w+")
-        proc = subprocess.Popen(args, stdout=stdout, stderr=stderr, text=True, env=env)
-        proc.files = (stdout, stderr)
-        procs.append(proc)
-    return procs
 
 
-def _read(proc):
-    texts = []
-    for f in proc.files:
-        f.seek(0)
-        texts.append(f.read())
-    return texts
 
-
-def finish(procs, ok=True):
-    outs = []
-    try:
-        deadline = time.monotonic() + TIMEOUT
-        for p in procs:
-            p.wait(timeout=max(1, deadline - time.monotonic()))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for p in procs:
-        out, err = _read(p)
-        outs.append((p.returncode, out, err))
-    for code, out, err in outs:
-        assert (code == 0) == ok, f"exit {code}\n{out}\n{err[-3000:]}"
-    return outs
-
-
-def wait_ready(procs):
-    deadline = time.monotonic() + TIMEOUT
-    for p in procs:
-        while "READY" not in _read(p)[0]:
-            if p.poll() is not None or time.monotonic() > deadline:
-                for q in procs:
-                    q.kill()
-                out, err = _read(p)
-                pytest.fail(f"process did not start: exit {p.poll()}\n{out}\n{err[-3000:]}")
-            time.sleep(0.1)
-
-
-def load(path):
-    with np.load(path) as z:
-        return {k: z[k] for k in z.files}
 
 
 def events(logdir):
@@ -259,11 +201,6 @@ def start_under_runners(logdir, out, steps, *extra):
     return procs
 
 
-def plan(path, p0, p1):
-    for i, lines in enumerate((p0, p1)):
-        Path(f"{path}.p{i}").write_text("\n".join(lines) + "\n")
-    return ["--plan", str(path)]
-
 
 def test_a_blocked_process_ends_both_and_each_report_names_it(tmp_path):
     # process 1's data reader blocks at batch 20: process 0 waits for it in a collective
@@ -320,13 +257,6 @@ def test_two_runners_survive_a_sigkill_of_one_child_and_finish_bitwise(tmp_path)
         a, b = load(ref / f"p{i}.npz"), load(run / f"p{i}.npz")
         np.testing.assert_array_equal(a["w"], b["w"])
         np.testing.assert_array_equal(a["b"], b["b"])
-def local_steps(directory):
-    """The steps a tier's `checkpoint` file lists."""
-    from loopkit.plugins.checkpoint.tf_file import read_state
-
-    state = read_state(directory)
-    return set() if state is None else {s for s, _ in state.listed}
-
 
 def test_two_processes_resume_from_their_own_local_tiers_bitwise(tmp_path):
     """Each process keeps its own local tier (its shards of a state sharded over both,

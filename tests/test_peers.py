@@ -3,7 +3,6 @@ processes on 127.0.0.1, SIGKILLed, a machine replaced (its local directory wiped
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import re
@@ -17,19 +16,8 @@ import pytest
 
 import loopkit
 
+import distributed_jobs as d  # tests/plugins: real jax.distributed jobs on localhost
 from bucket_servers import one_store, s3_endpoint, store  # noqa: F401 - fixtures
-
-
-def _distributed():
-    """tests/test_distributed.py's helpers: real jax.distributed jobs on localhost."""
-    path = Path(__file__).with_name("test_distributed.py")
-    spec = importlib.util.spec_from_file_location("_distributed_helpers", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-d = _distributed()
 
 COMMON = ("--save-steps", "10", "--shard-state", "--step-sleep", "0.05", "--stateful")
 

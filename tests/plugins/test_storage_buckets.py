@@ -309,12 +309,10 @@ def test_a_restart_after_sigkill_takes_its_own_lease_over_at_once(store, tmp_pat
 
 
 def _distributed():
-    """tests/test_distributed.py's helpers: real jax.distributed jobs on localhost."""
-    path = Path(__file__).resolve().parents[1] / "test_distributed.py"
-    spec = importlib.util.spec_from_file_location("loopkit_distributed_helpers", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """The helpers of real jax.distributed jobs on localhost (tests/plugins/distributed_jobs.py)."""
+    import distributed_jobs
+
+    return distributed_jobs
 
 
 @pytest.fixture
@@ -363,7 +361,7 @@ def test_two_processes_sigkilled_on_a_bucket_resume_bitwise_and_others_read_it(
     for p in procs:
         p.wait(timeout=30)
     m_sharded = "SHARDING m spec=('data',) devices=4 local=2x[(2,)]"
-    assert all(m_sharded in d._read(p)[0] for p in procs)  # as zeros_like placed it
+    assert all(m_sharded in d.read(p)[0] for p in procs)  # as zeros_like placed it
     step, _ = loopkit.latest_checkpoint(url)
     assert 5 <= step < 120, step
     keys = store.objects(f"run/model.ckpt-{step}/")
@@ -441,8 +439,8 @@ def test_a_process_killed_writing_its_part_leaves_no_named_checkpoint(
     # own part and waits for process 1's, which never comes: it is killed too
     procs = d.start(url, run, 2, 20, *SHARDED, "--die-uploading", "1:10", devices=2)
     procs[1].wait(timeout=d.TIMEOUT)
-    assert procs[1].returncode == -signal.SIGKILL, d._read(procs[1])
-    assert "DYING uploading" in d._read(procs[1])[0]
+    assert procs[1].returncode == -signal.SIGKILL, d.read(procs[1])
+    assert "DYING uploading" in d.read(procs[1])[0]
     time.sleep(1.0)  # process 0 at the barrier, its part uploaded
     procs[0].kill()
     procs[0].wait(timeout=30)
