@@ -219,6 +219,9 @@ class LooperThread(threading.Thread):
             self._coord.request_stop(ex)
 
 
+_SIGHUP = getattr(signal, "SIGHUP", None)  # not on Windows
+
+
 class SignalHandlers:
     """SIGINT/SIGTERM during a session: the first stops after the current step.
 
@@ -252,7 +255,7 @@ class SignalHandlers:
 
         self._many = jax.process_count() > 1  # asked now: the handler calls no JAX
         runner = bool(os.environ.get(STATUS_ENV))  # a `loopkit run` child
-        for sig in (signal.SIGINT, signal.SIGTERM) + ((signal.SIGHUP,) if runner else ()):
+        for sig in (signal.SIGINT, signal.SIGTERM) + ((_SIGHUP,) if runner and _SIGHUP else ()):
             with contextlib.suppress(ValueError, OSError):  # not the main interpreter
                 self._saved[sig] = signal.signal(sig, self._handle)
 
@@ -262,14 +265,14 @@ class SignalHandlers:
         self._saved.clear()
 
     def _handle(self, signum: int, frame: Any) -> None:
-        if signum == signal.SIGHUP and self._seen:
+        if signum == _SIGHUP and self._seen:
             return  # the runner's death, told again, or after a stop already under way
         self._seen += 1
         if self._seen > 1:
             self.restore()
             raise KeyboardInterrupt
         name = signal.Signals(signum).name
-        if signum == signal.SIGHUP:
+        if signum == _SIGHUP:
             name += " (the runner died)"
         again = ("press Ctrl-C again to abort" if signum == signal.SIGINT
                  else "a second signal aborts")
