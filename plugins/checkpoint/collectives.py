@@ -26,7 +26,7 @@ The order, by what the run does (every process at the same step):
      choice, -1 for none), then `worst_of` after the downloads (staged) and
      `worst_of` after the read;
   3. with a local tier and a checkpoint restored: `any_process` (whether some
-     process's machine was lost, `cadence.machine_fate`).
+     process's machine was lost, `cadence.agreed_fate`).
 - **A rollback** (`rollback_point`): `any_process` (a save that never committed),
   `common_steps` of the local tier, `broadcast_from_chief` of the best step of each
   tier; then the chosen checkpoint is read as at a restore (`worst_of`, twice).
