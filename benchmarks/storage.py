@@ -1,7 +1,8 @@
 """Cost of a save to an s3:// or gs:// logdir: loopkit's staged upload against the raw upload.
 
     python benchmarks/storage.py [--mb 64] [--leaves 16] [--repeats 3]
-        [--stores s3,gs] [--processes 1,2,4] [--no-local] [--no-npz]
+        [--stores s3,gs,local,disk] [--processes 1,2,4] [--no-local] [--no-npz]
+        [--cpu-per-process CORES]
     STORAGE_PROFILE=folder python benchmarks/storage.py ...   # cProfile each process
 
 Starts moto's S3 server and ``fake-gcs-server`` on 127.0.0.1 (as the tests do).
@@ -16,9 +17,15 @@ backend's hold and commit as the chief sees them (a commit waits for the slower
 process's part), against the same single raw upload of all the bytes; then the
 restore of the last save by a fresh backend on every process (the slowest
 process's time, against one raw download of all the bytes), with the objects
-each process downloaded. Medians over the repeats. Against local
-servers the upload's bandwidth is theirs (moto is a Python server on the same
-cores), not a real store's.
+each process downloaded, and each process's CPU time (all its threads) during the
+commit and the restore. Medians over the repeats. Against local servers the upload's
+bandwidth is theirs (moto is a Python server on the same cores), not a real store's.
+
+Stores ``local`` and ``disk`` take the same N-process measurement on this machine's
+disk: the local tier (each process its own directory, ``process_local``) and one
+directory every process writes. ``--cpu-per-process CORES`` holds each process and the
+store's server to that many cores (`cpu_quota`, Linux cgroups, root): N processes then
+have what N hosts would, where the machine has fewer cores than processes.
 """
 
 from __future__ import annotations
