@@ -5,6 +5,8 @@ which each plugin adds through the `command_line` hook."""
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 from typing import Sequence
 
@@ -107,4 +109,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     # the plugins' own verbs: `checkpoints`, `goodput`, `report`, and any entry point's
     make_command_manager().hook.command_line(subparsers=sub)
     args = parser.parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except BrokenPipeError:
+        # the reader left (`loopkit checkpoints LOGDIR | head -1`): end as a shell tool
+        # does, quietly with SIGPIPE's status; stdout goes to /dev/null so that the
+        # interpreter's flush at exit does not raise again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE

@@ -44,6 +44,8 @@ def _device_put_shardings(jaxpr: Any) -> list[Any]:
                  "pjit": "out_shardings"}.get(eqn.primitive.name)
         if param is not None:
             for var, where in zip(eqn.outvars, eqn.params.get(param, ())):
+                if isinstance(where, jax.Device):  # `jax.device_put(x, device)`
+                    where = jax.sharding.SingleDeviceSharding(where)
                 if isinstance(where, jax.sharding.Sharding):
                     made[var] = where
     return [None if type(v).__name__ == "Literal" else made.get(v) for v in jaxpr.outvars]
@@ -132,6 +134,18 @@ def _one_mesh(placed: list[Any], mesh: Any) -> jax.sharding.Mesh | None:
     return found if isinstance(found, jax.sharding.Mesh) else None
 
 
+def _one_device(placed: list[Any], jaxpr: Any) -> Any:
+    """The one device `init` named in `jax.device_put(x, device)` (a device, not a
+    sharding) for all the leaves it placed, as a sharding; else None."""
+    named = {d for eqn in jaxpr.eqns if eqn.primitive.name == "device_put"
+             for d in eqn.params.get("devices", ()) if isinstance(d, jax.Device)}
+    places = {p for p in placed if p is not None}
+    if len(named) != 1 or len(places) != 1:
+        return None
+    (device,) = named
+    return places.pop() if places == {jax.sharding.SingleDeviceSharding(device)} else None
+
+
 def _typed(x: jax.ShapeDtypeStruct, aval: Any, mesh: Any) -> Any:
     """The sharding an explicit-axis trace gives ``x`` on the context ``mesh``, or None.
 
@@ -178,7 +192,13 @@ def trace_init(init: Callable[[], PyTree]) -> tuple[PyTree, PyTree | None]:
             known = [_typed(x, a, mesh) for x, a in zip(leaves, traced.jaxpr.out_avals)]
             unknown = [p is None and k is None for p, k in zip(placed, known)]
             deferred = None
-            if any(unknown):  # XLA's choice: compiled when a restore needs it, or now
+            device = _one_device(placed, traced.jaxpr.jaxpr) if mesh is None else None
+            if any(unknown) and device is not None:
+                # init put its leaves on one device (`jax.device_put(x, device)`), which
+                # under jit is no constraint; run for real, the step's jit joins the
+                # others to it: so does the restore
+                known = [k if k is not None else device for k in known]
+            elif any(unknown):  # XLA's choice: compiled when a restore needs it, or now
                 one = _one_mesh(placed, mesh)
                 if one is not None and all(
                         getattr(a, "memory_space", None) == jax.memory.Space.Device

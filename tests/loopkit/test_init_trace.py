@@ -65,3 +65,43 @@ def test_xla_s_choice_is_compiled_only_when_asked_and_a_failed_compile_replicate
     assert out["broken_again"] == out["broken_fallback"]
     assert len(out["warnings"]) == 1, out["warnings"]  # compiled (and warned) once
     assert "restored replicated on the mesh" in out["warnings"][0]
+
+
+ONE_DEVICE = r'''
+import sys, jax, jax.numpy as jnp, numpy as np, optax, loopkit
+
+dev = jax.devices()[2]
+tx = optax.adam(0.1)
+
+def init():  # the run's own device: w put there, adam's moments made beside it
+    params = {"w": jax.device_put(jnp.arange(3.0), dev)}
+    return {"params": params, "opt": tx.init(params), "seen": jnp.zeros(3)}
+
+def step(s):
+    updates, opt = tx.update(s["params"], s["opt"], s["params"])
+    return {"params": optax.apply_updates(s["params"], updates), "opt": opt,
+            "seen": s["seen"] + 1}, {}
+
+for backend in ("orbax", "npz"):
+    kw = dict(logdir=f"{sys.argv[1]}/{backend}", checkpoint_backend=backend,
+              save_model_secs=None, progress=False)
+    loopkit.train(step, init=init, max_steps=3, **kw)
+    resumed = loopkit.train(step, init=init, max_steps=5, **kw)
+    straight = loopkit.train(step, init=init, max_steps=5, progress=False)
+    places = {d.id for x in jax.tree.leaves(resumed.state) for d in x.devices()}
+    same = all(np.array_equal(a, b) for a, b in
+               zip(jax.tree.leaves(resumed.state), jax.tree.leaves(straight.state)))
+    print(backend, sorted(places), same)
+'''
+
+
+def test_a_state_init_puts_on_one_device_resumes_on_that_device(tmp_path):
+    # `jax.device_put(x, device)` (a device, not a sharding) is no constraint under jit,
+    # so neither the trace of init nor its compile saw it: a resume moved the whole
+    # state to device 0, where another job may be using the memory
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    proc = subprocess.run([sys.executable, "-c", ONE_DEVICE, str(tmp_path)],
+                          capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[-2:] == ["orbax [2] True", "npz [2] True"], proc.stdout

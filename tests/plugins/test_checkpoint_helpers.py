@@ -171,6 +171,20 @@ def test_cli_lists_checkpoints_and_marks_the_one_a_restart_recovers(tmp_path):
     assert "no checkpoints" not in missing.stderr
 
 
+def test_cli_piped_into_a_reader_that_leaves_ends_quietly(tmp_path):
+    # `loopkit checkpoints LOGDIR | head -1`: the reader closes the pipe before the
+    # listing is written; the command must end as a shell tool does, with SIGPIPE's
+    # status and no BrokenPipeError traceback
+    train(tmp_path, "npz", save_model_steps=2, max_steps=6, max_to_keep=None)
+    for verb in ("checkpoints", "goodput"):
+        proc = subprocess.Popen([sys.executable, "-m", "loopkit", verb, str(tmp_path)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        proc.stdout.close()  # the reader is gone before anything is printed
+        stderr = proc.stderr.read().decode()
+        assert proc.wait(timeout=120) == 128 + 13, stderr
+        assert "Traceback" not in stderr and "BrokenPipe" not in stderr, stderr
+
+
 def test_the_checkpoint_file_round_trips_in_tf_format(tmp_path):
     state = CheckpointState(latest=20, listed=[(10, 1.5), (20, 2.5)], last_preserved_timestamp=1.0)
     write_state(tmp_path, state)

@@ -124,6 +124,21 @@ def test_exclude_and_errors_name_the_leaf(pretrained):
         loopkit.from_pretrained(pretrained, include=["nothing/*"])(fresh_state())
 
 
+def test_a_pattern_given_as_a_string_is_one_pattern(pretrained):
+    # include="params/encoder/*" is the one pattern it reads as, never its characters
+    # (whose "*" chose every leaf: the new head's shape then failed the load, and an
+    # exclude of one string excluded everything)
+    out = loopkit.from_pretrained(pretrained, include="params/encoder/*",
+                                  rename={"params/encoder": "params/backbone"})(fresh_state())
+    np.testing.assert_array_equal(out["params"]["backbone"]["kernel"], np.full((3, 4), 10.0))
+    np.testing.assert_array_equal(out["params"]["encoder"]["kernel"], np.zeros((3, 4)))
+    assert int(out["opt"]["count"]) == 0
+
+    out = loopkit.from_pretrained(pretrained, exclude="params/head/*")(fresh_state())
+    assert int(out["opt"]["count"]) == 73
+    np.testing.assert_array_equal(out["params"]["head"]["kernel"], np.zeros((4, 5)))
+
+
 def test_from_pretrained_accepts_a_checkpoint_path(pretrained):
     step, path = loopkit.latest_checkpoint(pretrained)
     assert step == 3

@@ -158,15 +158,15 @@ def _renamed(path: str, rename: Mapping[str, str]) -> str:
 def from_pretrained(
     logdir_or_path: str | os.PathLike[str],
     *,
-    include: Sequence[str] | None = None,
-    exclude: Sequence[str] | None = None,
+    include: str | Sequence[str] | None = None,
+    exclude: str | Sequence[str] | None = None,
     rename: Mapping[str, str] | None = None,
 ) -> Callable[[PyTree], PyTree]:
     """An `init_fn` that loads chosen leaves of a pretrained checkpoint into the fresh state.
 
     A leaf's path is its keys joined by ``/`` (``params/encoder/kernel``; sequence
     indices as numbers). `include`/`exclude` are `fnmatch` patterns over checkpoint
-    paths (default: everything); `rename` maps a checkpoint path prefix to a prefix in
+    paths (a list, or one pattern as a string; default: everything); `rename` maps a checkpoint path prefix to a prefix in
     the fresh state (``{"params/encoder": "params/backbone"}``). Leaves not chosen keep
     their fresh values. Only the chosen arrays are read. A chosen leaf with no
     counterpart in the fresh state, or with another shape or dtype, raises
@@ -176,6 +176,10 @@ def from_pretrained(
     its own: ``loopkit.train(..., init_fn=loopkit.from_pretrained("runs/pretrain",
     include=["params/encoder/*"]))``.
     """
+    # a bare string is one pattern (as Config.summary_metrics takes it): list() of it
+    # would make each character a pattern, and its "*" would choose every leaf
+    include = [include] if isinstance(include, str) else include
+    exclude = [exclude] if isinstance(exclude, str) else exclude
     include = list(include) if include is not None else None
     exclude = list(exclude or ())
     rename = dict(rename or {})
