@@ -135,7 +135,9 @@ class CheckpointPlugin:
             backend = spec
         name = spec if isinstance(spec, str) else None  # recorded for the helpers
         local = config.local_checkpoint_dir if kind == "durable" else None
-        kept = CheckpointList(directory, config, name, None if local is None else str(local))
+        if local is not None:  # recorded absolute: the helpers may run in another cwd
+            local = str(storage.normalise(local, "Config.local_checkpoint_dir"))
+        kept = CheckpointList(directory, config, name, local)
         return Tier(kind, backend, kept,
                     owns_backend=isinstance(spec, str), chief_writes=kind == "durable")
 
