@@ -199,7 +199,7 @@ class CheckpointPlugin:
             _phase(session, durable_best(durable.ledger.on_disk, durable.file), None)
             found = find_restorable(durable.backend, frozenset(durable.ledger.on_disk),
                                     durable.ledger.logdir, durable.file, like, durable.path,
-                                    self.config.recovery_wait_secs)
+                                    self.config.recovery_wait_secs, durable.ledger.backend_name)
         step = None if found is None else found.step
         if found is not None:  # committed (a lagging view of a shared directory saw it late)
             tier.ledger.on_disk.add(found.step)
