@@ -223,6 +223,11 @@ class Config:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
+            if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:
+                # np.int64(1000) from arithmetic is the number it holds: kept as a Python
+                # one (the ledger and event files write these as JSON)
+                value = value.item()
+                object.__setattr__(self, f.name, value)
             allowed = f.metadata["check"](value)
             if allowed is not None:
                 raise ValueError(f"Config.{f.name}={value!r} is not allowed: expected {allowed}")

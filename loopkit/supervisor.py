@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 from typing import Any, Callable, Iterable, Mapping
 
@@ -136,7 +137,27 @@ class Supervisor:
         with `data` set, read batches from `session.input.iterator`, or the
         saved input position will not match what the steps consumed.
         """
+        _check_data_takes_start_step(data)
         return _ManagedSession(self, step_fn, init, data)
+
+
+def _check_data_takes_start_step(data: Any) -> None:
+    """Refuse a callable `data` that cannot be called as `data(start_step)`, saying so:
+    a generator function of no argument (`def data(): yield ...`) is the usual one,
+    and calling it gave a bare "takes 0 positional arguments but 1 was given"."""
+    if not callable(data) or hasattr(data, "__iter__") or hasattr(data, "__next__"):
+        return  # not the callable protocol (loopkit/loop/data.py's rule)
+    try:
+        inspect.signature(data).bind(0)
+    except ValueError:  # no signature to read (a builtin): the call will tell
+        return
+    except TypeError:
+        name = getattr(data, "__name__", type(data).__name__)
+        raise TypeError(
+            f"data={name} is called as data(start_step) (the step to resume from), but "
+            f"its signature {inspect.signature(data)} takes no such argument: give it a "
+            f"start_step parameter, or pass data={name}() (an iterable; then a resume "
+            "does not restore its position)") from None
 
 
 class _ManagedSession:

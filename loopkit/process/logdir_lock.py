@@ -226,7 +226,11 @@ class LogdirLock:
         import fcntl
 
         path = Path(self.logdir)
-        path.mkdir(parents=True, exist_ok=True)
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):  # it, or a parent, is a file
+            raise ValueError(f"Config.logdir={str(path)!r} is, or is inside, an existing "
+                             "file: expected a directory (created if missing)") from None
         fd = os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

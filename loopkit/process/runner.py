@@ -241,7 +241,7 @@ class _Tries:
             self.forwarder.child = None
             status = read_status(status_path) or {}
             if self.forwarder.received:  # the runner was told to stop: no restart
-                log.warning("loopkit run: stopped by %s; the child ended with %s",
+                log.warning("loopkit run: stopped by %s; the child ended (%s)",
                             signal.Signals(self.forwarder.received[0]).name, _describe(rc))
                 return _exit_code(rc)
             code, wait = self._judge(rc, status, child)

@@ -161,8 +161,10 @@ def _first_difference(a: Any, b: Any, path: str = "") -> tuple[str, str] | None:
     return where, "the tree structure differs"
 
 
-def check_matches(state: PyTree, like: PyTree, what: str = "the restored state") -> None:
-    """Raise `ValueError` naming every leaf where `state` differs from `like`.
+def check_matches(state: PyTree, like: PyTree, what: str = "the restored state",
+                  against: str = "the init state") -> None:
+    """Raise `ValueError` naming every leaf where `state` (`what`) differs from `like`
+    (`against`: `init`'s state in a run, the caller's `like` in `load_checkpoint`).
 
     Compares the leaf paths, then each leaf's shape and dtype (a key's
     implementation included; not its weak type, which training may change),
@@ -173,7 +175,7 @@ def check_matches(state: PyTree, like: PyTree, what: str = "the restored state")
     want = dict(leaves_with_paths(like))
     problems = [f"  {path or '<root>'}: missing from {what}"
                 for path in sorted(want.keys() - got.keys())]
-    problems += [f"  {path or '<root>'}: in {what} but not in the init state"
+    problems += [f"  {path or '<root>'}: in {what} but not in {against}"
                  for path in sorted(got.keys() - want.keys())]
     for path in sorted(want.keys() & got.keys()):
         gs, gd = shape_dtype(got[path])
@@ -181,14 +183,14 @@ def check_matches(state: PyTree, like: PyTree, what: str = "the restored state")
         if gs != ws or gd != wd:
             problems.append(
                 f"  {path or '<root>'}: {what} has shape {gs} dtype {gd}, "
-                f"the init state has shape {ws} dtype {wd}"
+                f"{against} has shape {ws} dtype {wd}"
             )
     if not problems:
         found = _first_difference(state, like)
         if found is not None:
-            problems.append(f"  {found[0]}: {what} differs from the init state: {found[1]}")
+            problems.append(f"  {found[0]}: {what} differs from {against}: {found[1]}")
     if problems:
-        raise ValueError(f"{what} does not match the init state:\n" + "\n".join(problems[:20])
+        raise ValueError(f"{what} does not match {against}:\n" + "\n".join(problems[:20])
                          + (f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""))
 
 

@@ -135,7 +135,9 @@ class CheckpointPlugin:
             backend = spec
         name = spec if isinstance(spec, str) else None  # recorded for the helpers
         local = config.local_checkpoint_dir if kind == "durable" else None
-        kept = CheckpointList(directory, config, name, None if local is None else str(local))
+        if local is not None:  # recorded absolute: the helpers may run in another cwd
+            local = str(storage.normalise(local, "Config.local_checkpoint_dir"))
+        kept = CheckpointList(directory, config, name, local)
         return Tier(kind, backend, kept,
                     owns_backend=isinstance(spec, str), chief_writes=kind == "durable")
 
@@ -197,7 +199,7 @@ class CheckpointPlugin:
             _phase(session, durable_best(durable.ledger.on_disk, durable.file), None)
             found = find_restorable(durable.backend, frozenset(durable.ledger.on_disk),
                                     durable.ledger.logdir, durable.file, like, durable.path,
-                                    self.config.recovery_wait_secs)
+                                    self.config.recovery_wait_secs, durable.ledger.backend_name)
         step = None if found is None else found.step
         if found is not None:  # committed (a lagging view of a shared directory saw it late)
             tier.ledger.on_disk.add(found.step)

@@ -26,7 +26,9 @@ from loopkit.plugins.checkpoint.collectives import (
     broadcast_from_chief, common_steps, gather_rows, worst_of,
 )
 from loopkit.plugins.checkpoint.position import own_position
-from loopkit.plugins.checkpoint.tf_file import CheckpointState, recovery_order
+from loopkit.plugins.checkpoint.tf_file import (
+    BACKEND_FILE, CheckpointState, read_backend_name, read_state, recovery_order,
+)
 
 __all__ = ["durable_best", "find_local", "find_restorable",
            "read_checkpoint"]
@@ -38,9 +40,11 @@ PyTree = Any
 
 def find_restorable(backend: CheckpointBackend, steps: Collection[int], logdir: Path | str,
                     state: CheckpointState | None, like: PyTree, path_of: Callable[[int], str],
-                    recovery_wait_secs: float) -> Restored | None:
+                    recovery_wait_secs: float, name: str | None = None) -> Restored | None:
     """The newest readable checkpoint of the committed `steps` in `logdir`, placed like
-    `like`; None when there is none."""
+    `like`; None when there is none. `name`: the backend's, as Config names it."""
+    if not steps and state is not None:
+        _refuse_another_writers(logdir, name, state)
     if jax.process_count() > 1:
         return _agreed(backend, steps, logdir, state, like, path_of, recovery_wait_secs)
     failures: list[tuple[int, BaseException]] = []
@@ -67,6 +71,29 @@ def find_restorable(backend: CheckpointBackend, steps: Collection[int], logdir: 
         log.warning("loopkit: %s/checkpoint names checkpoints but none exists; "
                     "starting fresh", logdir)
     return None
+
+
+def _refuse_another_writers(logdir: Path | str, name: str | None,
+                            state: CheckpointState) -> None:
+    """The `checkpoint` file names checkpoints this run does not see: when they are of
+    another basename, or the logdir records another backend (`checkpoint_backend.json`),
+    starting fresh over them would lose the run (a changed `Config.checkpoint_basename`
+    or `checkpoint_backend`)."""
+    own = read_state(logdir)  # the file as it is, whatever basename it names
+    if own is not None and own.latest is not None and own.basename != state.basename:
+        raise CheckpointError(
+            f"{logdir}/checkpoint names checkpoints of the basename {own.basename!r} (the "
+            f"latest {own.basename}-{own.latest}), which Config.checkpoint_basename="
+            f"{state.basename!r} does not read. Not starting fresh: set checkpoint_basename="
+            f"{own.basename!r} to resume, or give this run another logdir")
+    recorded = read_backend_name(logdir)
+    if state.latest is None or name is None or recorded in (None, name):
+        return
+    raise CheckpointError(
+        f"{logdir} holds checkpoints of the backend {recorded!r} (it says so in "
+        f"{BACKEND_FILE}), which Config.checkpoint_backend={name!r} does not read. Not "
+        f"starting fresh: set checkpoint_backend={recorded!r} to resume, or give this "
+        "run another logdir")
 
 
 def durable_best(steps: Collection[int], state: CheckpointState | None) -> int | None:

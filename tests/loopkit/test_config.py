@@ -76,6 +76,18 @@ def test_secs_take_int_or_float_and_zero_or_none_disable():
     assert Config(save_summaries_secs=None).save_summaries_secs is None
 
 
+def test_numpy_scalars_are_the_numbers_they_hold():
+    # max_steps = epochs * np.int64(steps_per_epoch) was refused as "expected an int"
+    c = Config(max_steps=np.int64(3) * 100, save_model_secs=np.float32(30.0),
+               save_model_steps=np.int32(50), progress=np.bool_(False))
+    assert (c.max_steps, c.save_model_secs, c.save_model_steps, c.progress) == (300, 30.0, 50, False)
+    assert [type(v) for v in (c.max_steps, c.save_model_secs, c.progress)] == [int, float, bool]
+    with pytest.raises(ValueError, match=r"Config\.max_steps=-1 is not allowed"):
+        Config(max_steps=np.int64(-1))  # still checked, and shown as the number
+    with pytest.raises(ValueError, match=r"Config\.save_model_steps=2\.5 is not allowed"):
+        Config(save_model_steps=np.float64(2.5))
+
+
 def test_summary_metrics_take_one_pattern_or_a_list():
     assert Config(summary_metrics="loss").summary_metrics == ("loss",)
     assert Config(summary_metrics=["loss", "acc*"]).summary_metrics == ("loss", "acc*")

@@ -75,6 +75,18 @@ def test_a_second_run_on_a_live_logdir_fails_naming_the_first(tmp_path):
     assert "DONE" in out
 
 
+@pytest.mark.parametrize("where", ["afile", "afile/run"])
+def test_a_logdir_that_is_a_file_is_an_error_naming_the_field(tmp_path, where):
+    # a slip such as logdir="train.py": a bare FileExistsError (or NotADirectoryError
+    # for a path inside the file) named neither the field nor what was expected
+    (tmp_path / "afile").write_text("not a directory")
+    with pytest.raises(ValueError, match=r"Config\.logdir=.*afile.* existing file: "
+                                         r"expected a directory"):
+        loopkit.train(lambda s: (s + 1, {}), init=jnp.zeros(()), max_steps=2,
+                      logdir=tmp_path / where, progress=False)
+    assert (tmp_path / "afile").read_text() == "not a directory"
+
+
 def test_a_killed_holder_never_blocks_a_restart(tmp_path):
     first = _start(tmp_path, 10**6, 0.02)
     _wait_for_step(first, 5)

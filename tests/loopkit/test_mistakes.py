@@ -54,6 +54,25 @@ def test_a_metric_that_is_not_an_array_is_named():
                       max_steps=2, **QUIET)
 
 
+def test_a_data_generator_function_without_start_step_says_how_it_is_called(tmp_path):
+    def batches():  # the usual slip: a generator function of no argument
+        while True:
+            yield np.ones(3, np.float32)
+
+    with pytest.raises(TypeError, match=r"data=batches is called as data\(start_step\).*"
+                                        r"takes no such argument.*pass data=batches\(\)"):
+        loopkit.train(lambda s, b: (s + b, {}), init=jnp.zeros(3), data=batches,
+                      max_steps=2, **QUIET)
+
+    # a callable that does take the step, however spelt, still trains, and resumes
+    kw = dict(init=jnp.zeros(3), logdir=str(tmp_path), checkpoint_backend="npz",
+              save_model_secs=None, **QUIET)
+    data = lambda start_step=0, *rest: (np.full(3, i, np.float32) for i in range(start_step, 99))
+    loopkit.train(lambda s, b: (s + b, {}), data=data, max_steps=2, **kw)
+    again = loopkit.train(lambda s, b: (s + b, {}), data=data, max_steps=4, **kw)
+    np.testing.assert_array_equal(again.state, np.full(3, 0.0 + 1 + 2 + 3))
+
+
 @pytest.mark.parametrize("path", PATHS)
 def test_a_step_that_adds_a_key_is_refused_after_the_first_step(path):
     calls = []

@@ -166,6 +166,7 @@ def test_a_second_ctrl_c_still_aborts_without_a_restart(tmp_path):
     rc, out, err = runner.finish()
     assert rc != 0 and "KeyboardInterrupt" in err and "DONE" not in out
     assert "stopped by SIGINT" in err  # the runner's line: no restart
+    assert "the child ended (killed by SIGINT)" in err  # not "ended with killed by"
     assert (tmp_path / "plan.starts").read_text().splitlines() == ["sleep 0.05"]
 
 

@@ -343,6 +343,37 @@ def test_when_no_checkpoint_restores_start_up_fails(tmp_path, backend):
     assert steps_on_disk(tmp_path) == [3, 6]  # nothing was saved over them
 
 
+@pytest.mark.parametrize("first,then", [("orbax", "npz"), ("npz", "orbax")])
+def test_a_logdir_of_another_backend_is_refused_never_started_fresh(tmp_path, first, then):
+    # a run that changes Config.checkpoint_backend over its logdir sees none of the
+    # checkpoints: it started fresh with a warning, and saved over the run's steps
+    run(tmp_path, first, save_model_steps=3, max_steps=6)
+    with pytest.raises(loopkit.CheckpointError) as info:
+        run(tmp_path, then, save_model_steps=3, max_steps=9)
+    msg = str(info.value)
+    assert f"backend {first!r}" in msg and f"checkpoint_backend={then!r}" in msg
+    assert f"set checkpoint_backend={first!r} to resume" in msg
+    assert listed(tmp_path) == (6, [3, 6])  # nothing written over the run
+    seen = Seen()
+    r = run(tmp_path, first, save_model_steps=3, max_steps=9, plugins=[seen])
+    assert seen.start == 6
+    assert_state(r.state, 9)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_logdir_of_another_basename_is_refused_never_started_fresh(tmp_path, backend):
+    # the same with a changed Config.checkpoint_basename: the checkpoint file's entries
+    # were ignored as "not a checkpoint name", and the run started fresh over them
+    run(tmp_path, backend, save_model_steps=3, max_steps=6)
+    with pytest.raises(loopkit.CheckpointError) as info:
+        run(tmp_path, backend, save_model_steps=3, max_steps=9, checkpoint_basename="ckpt")
+    msg = str(info.value)
+    assert "basename 'model.ckpt' (the latest model.ckpt-6)" in msg
+    assert "set checkpoint_basename='model.ckpt' to resume" in msg
+    assert listed(tmp_path) == (6, [3, 6]) and steps_on_disk(tmp_path) == [3, 6]
+    assert not list(tmp_path.glob("ckpt-*"))
+
+
 def test_a_checkpoint_file_naming_a_missing_checkpoint_falls_back(tmp_path, caplog):
     run(tmp_path, save_model_steps=3, max_steps=6)
     (tmp_path / "model.ckpt-6.npz").unlink()

@@ -85,10 +85,13 @@ def test_load_checkpoint(tmp_path, backend):
     assert int(older["layers"][1]) == 2
     if backend == "npz":
         assert int(loopkit.load_checkpoint(path + ".npz")["layers"]["1"]) == 2
-    # a like that does not match names the leaf
+    # a like that does not match names the leaf, and calls it what the caller passed
+    # (`like`), not the init state of a run there is none of
     bad = {**like, "params": {**like["params"], "w": jax.ShapeDtypeStruct((4,), jnp.float32)}}
-    with pytest.raises(ValueError, match="params/w"):
+    with pytest.raises(ValueError) as info:
         loopkit.load_checkpoint(tmp_path, like=bad)
+    assert "params/w: checkpoint " in str(info.value) and "init state" not in str(info.value)
+    assert "has shape (2, 3) dtype float32, the like argument has shape (4,)" in str(info.value)
 
 
 def test_load_checkpoint_without_a_checkpoint(tmp_path):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
+import json
 import logging
 import os
 import shutil
@@ -183,6 +184,23 @@ def test_the_helpers_read_a_local_tier_directory(tmp_path):
     got = loopkit.load_checkpoint(local / "model.ckpt-21", like)
     assert np.asarray(got["w"]).shape == (4,)
     assert [s for s, _ in loopkit.checkpoints_iterator(local, timeout=0)] == [24]
+
+
+def test_a_relative_local_dir_is_listed_from_another_directory(tmp_path, monkeypatch):
+    # local_checkpoint_dir="local", relative to where the run started: `loopkit
+    # checkpoints LOGDIR` run elsewhere (an evaluator's directory) must still list the
+    # local tier, from where the run had it, not a "local" beside the caller
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b" / "local").mkdir(parents=True)  # a decoy where the caller stands
+    monkeypatch.chdir(tmp_path / "a")
+    run(tmp_path, 13, local_checkpoint_dir="local")
+    out = subprocess.run([sys.executable, "-m", "loopkit", "checkpoints", "--json",
+                          str(tmp_path / "run")], capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path / "b")
+    assert out.returncode == 0, out.stderr
+    local = [r for r in json.loads(out.stdout) if r["tier"] == "local"]
+    assert [r["step"] for r in local] == [9, 12], out.stdout
+    assert {Path(r["path"]).parent for r in local} == {tmp_path / "a" / "local"}
 
 
 def test_a_restart_takes_the_newer_tier_and_names_it(tmp_path):

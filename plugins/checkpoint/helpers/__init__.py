@@ -100,7 +100,7 @@ def load_checkpoint(logdir_or_path: str | os.PathLike[str], like: PyTree = None)
         state, _ = found.backend.restore(found.step, place_like(like))
     if like is not None:
         state = conform(state, like)
-        check_matches(state, like, f"checkpoint {found.where}")
+        check_matches(state, like, f"checkpoint {found.where}", "the like argument")
     return state
 
 
