@@ -334,6 +334,23 @@ def test_a_lost_machine_beside_a_chief_that_lived_is_recorded_lost(tmp_path):
     assert _machines(run) == [(10, "durable", "lived"), (20, "durable", "lost")]
 
 
+def test_two_processes_on_a_logdir_of_another_backend_both_refuse_it(tmp_path):
+    """A two-process run whose Config.checkpoint_backend differs from the backend that
+    wrote its logdir: both processes fail with the chief's CheckpointError (neither
+    starts fresh over the run, neither waits alone in a collective), and the run's
+    checkpoints stay as they were."""
+    run = tmp_path / "run"
+    run.mkdir()
+    common = ("--save-steps", "5", "--shard-state")
+    finish(start(run, run, 2, 10, *common, devices=2))
+    assert local_steps(run) == {5, 10}
+    outs = finish(start(run, run, 2, 20, *common, "--backend", "npz", devices=2), ok=False)
+    for _, _, err in outs:  # each sees it (a view that did not would name process 0)
+        assert "CheckpointError" in err and "set checkpoint_backend='orbax' to resume" \
+            in err, err[-3000:]
+    assert local_steps(run) == {5, 10} and loopkit.latest_checkpoint(run)[0] == 10
+
+
 def test_a_failed_local_save_on_one_process_stops_both_with_its_error(tmp_path):
     """Process 1's local save of step 6 fails (its disk full, say): the failure stops
     both processes at the same agreement, process 1 with that error, even when its

@@ -22,7 +22,9 @@ The order, by what the run does (every process at the same step):
      the floor); `common_steps` (or, with peer copies, one `gather_rows` of what
      each process holds, `peers.Peers.plan`); then for each step tried, one
      `gather_rows` of each process's outcome;
-  2. the durable tier: for each candidate, `broadcast_from_chief` (the chief's
+  2. the durable tier: first `broadcast_from_chief` (whether the chief refuses the
+     logdir: another backend's or basename's checkpoints), then for each candidate,
+     `broadcast_from_chief` (the chief's
      choice, -1 for none), then `worst_of` after the downloads (staged) and
      `worst_of` after the read;
   3. with a local tier and a checkpoint restored: `any_process` (whether some

@@ -43,10 +43,17 @@ def find_restorable(backend: CheckpointBackend, steps: Collection[int], logdir: 
                     recovery_wait_secs: float, name: str | None = None) -> Restored | None:
     """The newest readable checkpoint of the committed `steps` in `logdir`, placed like
     `like`; None when there is none. `name`: the backend's, as Config names it."""
-    if not steps and state is not None:
-        _refuse_another_writers(logdir, name, state)
+    refusal = _another_writer(logdir, name, state) if not steps and state is not None else None
     if jax.process_count() > 1:
+        # every process enters, and the chief's view decides: a lagging view of a shared
+        # directory may not show the files yet, and no process may fail alone
+        if int(broadcast_from_chief(np.asarray(refusal is not None, np.int32))):
+            raise CheckpointError(refusal or f"process 0 refused {logdir}: it holds the "
+                                  "checkpoints of another backend or basename (its error "
+                                  "names them)")
         return _agreed(backend, steps, logdir, state, like, path_of, recovery_wait_secs)
+    if refusal is not None:
+        raise CheckpointError(refusal)
     failures: list[tuple[int, BaseException]] = []
     for step in recovery_order(state, sorted(steps)):
         if step not in steps:
@@ -73,27 +80,26 @@ def find_restorable(backend: CheckpointBackend, steps: Collection[int], logdir: 
     return None
 
 
-def _refuse_another_writers(logdir: Path | str, name: str | None,
-                            state: CheckpointState) -> None:
-    """The `checkpoint` file names checkpoints this run does not see: when they are of
-    another basename, or the logdir records another backend (`checkpoint_backend.json`),
+def _another_writer(logdir: Path | str, name: str | None,
+                    state: CheckpointState) -> str | None:
+    """Why not to start: the `checkpoint` file names checkpoints this run does not see,
+    of another basename, or the logdir records another backend (`checkpoint_backend.json`);
     starting fresh over them would lose the run (a changed `Config.checkpoint_basename`
-    or `checkpoint_backend`)."""
+    or `checkpoint_backend`). None: no such checkpoints."""
     own = read_state(logdir)  # the file as it is, whatever basename it names
     if own is not None and own.latest is not None and own.basename != state.basename:
-        raise CheckpointError(
-            f"{logdir}/checkpoint names checkpoints of the basename {own.basename!r} (the "
-            f"latest {own.basename}-{own.latest}), which Config.checkpoint_basename="
-            f"{state.basename!r} does not read. Not starting fresh: set checkpoint_basename="
-            f"{own.basename!r} to resume, or give this run another logdir")
+        return (f"{logdir}/checkpoint names checkpoints of the basename {own.basename!r} "
+                f"(the latest {own.basename}-{own.latest}), which Config.checkpoint_basename="
+                f"{state.basename!r} does not read. Not starting fresh: set "
+                f"checkpoint_basename={own.basename!r} to resume, or give this run another "
+                "logdir")
     recorded = read_backend_name(logdir)
     if state.latest is None or name is None or recorded in (None, name):
-        return
-    raise CheckpointError(
-        f"{logdir} holds checkpoints of the backend {recorded!r} (it says so in "
-        f"{BACKEND_FILE}), which Config.checkpoint_backend={name!r} does not read. Not "
-        f"starting fresh: set checkpoint_backend={recorded!r} to resume, or give this "
-        "run another logdir")
+        return None
+    return (f"{logdir} holds checkpoints of the backend {recorded!r} (it says so in "
+            f"{BACKEND_FILE}), which Config.checkpoint_backend={name!r} does not read. Not "
+            f"starting fresh: set checkpoint_backend={recorded!r} to resume, or give this "
+            "run another logdir")
 
 
 def durable_best(steps: Collection[int], state: CheckpointState | None) -> int | None:
