@@ -287,10 +287,14 @@ class _Tries:
                       "--max-restarts=%d; the last one: %s\n%s", self.failures,
                       self.max_restarts, _describe(rc), last)
             return _exit_code(rc), 0.0
-        log.warning("loopkit run: the child %s (%s) at step %s (it started at step %s); "
+        # the status moves at commits only: the step the child trained to is not known
+        committed = status.get("committed")
+        log.warning("loopkit run: the child %s (%s) %s (it started at step %s); "
                     "restarting %s (failures %d/%d, preemptions %d/%d)%s",
                     "was preempted" if preempted else "failed", _describe(rc),
-                    status.get("step"), status.get("start_step"),
+                    "with no checkpoint committed" if committed is None
+                    else f"with its last checkpoint at step {committed}",
+                    status.get("start_step"),
                     f"in {wait:.0f} s" if wait else "at once", self.failures,
                     self.max_restarts, self.preemptions, self.max_preemptions,
                     f"; its last lines:\n{last}" if last and not preempted else "")

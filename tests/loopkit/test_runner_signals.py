@@ -221,7 +221,8 @@ def test_a_restart_record_names_the_step_the_child_reached(tmp_path):
     reached = restarts[0]["step"]
     resumed = starts[1]["step"]
     assert 2 <= reached <= 9 and reached in (resumed, resumed - 2), (restarts, starts)
-    assert f"killed by SIGKILL) at step {reached} (it started at step 0)" in err
+    assert (f"killed by SIGKILL) with its last checkpoint at step {reached} (it started at "
+            "step 0)") in err
     assert "restarting at once" in err  # it made progress: no backoff
 
 

@@ -142,7 +142,7 @@ def test_an_unreadable_path_says_what_is_there_and_what_is_read(tmp_path):
     (tmp_path / "d" / "x.json").write_text("{}")
     with pytest.raises(FileNotFoundError, match="a directory holding x.json"):
         loopkit.from_pretrained(tmp_path / "d")({"w": jnp.zeros(1)})
-    with pytest.raises(FileNotFoundError, match="nothing exists there"):
+    with pytest.raises(FileNotFoundError, match="found nothing there"):
         loopkit.load_checkpoint(tmp_path / "nope")
 
 

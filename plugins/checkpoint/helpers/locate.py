@@ -146,7 +146,7 @@ def _foreign(target: Path) -> Located | None:
 
 def _what_is(target: Path | str, url: bool) -> str:
     if not url and not target.exists():
-        return "nothing exists there"
+        return "nothing there"
     if not url and target.is_file():
         return f"a file of {target.stat().st_size} bytes in no format loopkit reads"
     names = sorted(storage.list_names(target) if url else os.listdir(target))
