@@ -48,10 +48,12 @@ def read(proc):
     return texts
 
 
-def finish(procs, ok=True):
+def finish(procs, ok=True, timeout=TIMEOUT):
+    """Wait for ``procs`` (killed after ``timeout`` s); (exit code, stdout, stderr) of each,
+    each asserted to have exited 0 (``ok``) or not."""
     outs = []
     try:
-        deadline = time.monotonic() + TIMEOUT
+        deadline = time.monotonic() + timeout
         for p in procs:
             p.wait(timeout=max(1, deadline - time.monotonic()))
     finally:

@@ -22,7 +22,9 @@ import pytest
 from loopkit.plugins.checkpoint.backends.staged import MARKER
 from loopkit.testing import free_port
 
+import distributed_jobs as jobs  # waiting for the processes, reading what they printed
 from bucket_servers import one_store  # the fixtures: conftest.py
+from distributed_jobs import read
 
 WORKER = Path(__file__).with_name("leaves_worker.py")
 TIMEOUT = 240  # a deadlock fails the test instead of hanging CI
@@ -33,6 +35,7 @@ TIMEOUT = 240  # a deadlock fails the test instead of hanging CI
 #: with the timing of orbax's writes), not the leaf count's: the per-leaf layout wrote
 #: 8,195 objects a process at 4,096 leaves
 PER_PROCESS = 6
+
 
 def start(url, n, leaves, mode, tmp_path, *extra):
     port = free_port()
@@ -50,14 +53,6 @@ def start(url, n, leaves, mode, tmp_path, *extra):
     return procs
 
 
-def read(proc):
-    texts = []
-    for f in proc.files:
-        f.seek(0)
-        texts.append(f.read())
-    return texts
-
-
 def until(procs, line):
     """Wait until every process has printed ``line``."""
     deadline = time.monotonic() + TIMEOUT
@@ -71,21 +66,8 @@ def until(procs, line):
 
 
 def finish(procs):
-    outs = []
-    try:
-        deadline = time.monotonic() + TIMEOUT
-        for p in procs:
-            p.wait(timeout=max(1, deadline - time.monotonic()))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for p in procs:
-        out, err = read(p)
-        assert p.returncode == 0, f"exit {p.returncode}\n{out}\n{err[-3000:]}"
-        outs.append(out)
-    return outs
+    """Each process's stdout, once all have exited 0."""
+    return [out for _, out, _ in jobs.finish(procs, timeout=TIMEOUT)]
 
 
 def save_then_kill(url, n, leaves, tmp_path, *extra):
