@@ -57,7 +57,6 @@ def worker(a: argparse.Namespace) -> None:
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(f"127.0.0.1:{a.port}", 2, a.rank, initialization_timeout=120)
-    import jax.numpy as jnp
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -68,23 +67,12 @@ def worker(a: argparse.Namespace) -> None:
     mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
     rows = NamedSharding(mesh, P("data"))
 
+    from goodput import make  # the one-process benchmark's MLP, its weights placed by rows
+
+    fresh, step, _ = make(a.width, a.batch)
+
     def init():
-        keys = jax.random.split(jax.random.key(0), 3)
-        w = {f"w{i}": jax.device_put(jax.random.normal(k, (a.width, a.width)) / a.width ** 0.5,
-                                     rows) for i, k in enumerate(keys)}
-        return {"w": w, "m": {k: jax.device_put(jnp.zeros_like(v), rows) for k, v in w.items()}}
-
-    def step(s, x):
-        def loss(w):
-            h = x
-            for i in range(3):
-                h = jnp.tanh(h @ w[f"w{i}"])
-            return jnp.mean((h - 0.5) ** 2)
-
-        value, g = jax.value_and_grad(loss)(s["w"])
-        m = jax.tree.map(lambda m, g: 0.9 * m + g, s["m"], g)
-        w = jax.tree.map(lambda w, m: w - 0.01 * m, s["w"], m)
-        return {"w": w, "m": m}, {"loss": value}
+        return jax.device_put(fresh(), rows)
 
     pool = np.random.default_rng(0).standard_normal((16, a.batch, a.width), np.float32)
     mine = slice(a.rank * a.batch // 2, (a.rank + 1) * a.batch // 2)
