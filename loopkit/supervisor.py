@@ -10,6 +10,7 @@ import jax
 
 from loopkit.config import Config, check_field_names
 from loopkit.loop.coordinator import Coordinator, LooperThread
+from loopkit.loop.data import is_callable_source
 from loopkit.plugin.manager import make_plugin_manager
 from loopkit.loop.session import Session
 
@@ -145,8 +146,8 @@ def _check_data_takes_start_step(data: Any) -> None:
     """Refuse a callable `data` that cannot be called as `data(start_step)`, saying so:
     a generator function of no argument (`def data(): yield ...`) is the usual one,
     and calling it gave a bare "takes 0 positional arguments but 1 was given"."""
-    if not callable(data) or hasattr(data, "__iter__") or hasattr(data, "__next__"):
-        return  # not the callable protocol (loopkit/loop/data.py's rule)
+    if not is_callable_source(data):
+        return
     try:
         inspect.signature(data).bind(0)
     except ValueError:  # no signature to read (a builtin): the call will tell

@@ -7,7 +7,8 @@ import copy
 import logging
 from typing import Any, Callable, Iterator, NamedTuple
 
-__all__ = ["Input", "Lookahead", "Reader", "make_input", "snapshot_state"]
+__all__ = ["Input", "Lookahead", "Reader", "is_callable_source", "make_input",
+           "snapshot_state"]
 
 log = logging.getLogger("loopkit")
 
@@ -187,8 +188,13 @@ def global_batch(sharding: Any, batch: Any) -> Any:
     return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), batch)
 
 
+def is_callable_source(data: Any) -> bool:
+    """Whether `data` is read as ``data(start_step)`` (a callable, not an iterable)."""
+    return callable(data) and not hasattr(data, "__iter__") and not hasattr(data, "__next__")
+
+
 def _open(data: Any, start_step: int, position: Any, restored: bool) -> Input:
-    if callable(data) and not hasattr(data, "__iter__") and not hasattr(data, "__next__"):
+    if is_callable_source(data):
         inp = Input(iter(data(start_step)), "callable", start_step)
         inp.reopen = data
         return inp
