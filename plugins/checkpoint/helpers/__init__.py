@@ -166,8 +166,9 @@ def from_pretrained(
 
     A leaf's path is its keys joined by ``/`` (``params/encoder/kernel``; sequence
     indices as numbers). `include`/`exclude` are `fnmatch` patterns over checkpoint
-    paths (a list, or one pattern as a string; default: everything); `rename` maps a checkpoint path prefix to a prefix in
-    the fresh state (``{"params/encoder": "params/backbone"}``). Leaves not chosen keep
+    paths (a list, or one pattern as a string; default: everything); `rename` maps a
+    checkpoint path prefix to a prefix in the fresh state (``{"params/encoder":
+    "params/backbone"}``). Leaves not chosen keep
     their fresh values. Only the chosen arrays are read. A chosen leaf with no
     counterpart in the fresh state, or with another shape or dtype, raises
     `ValueError` naming its checkpoint path and its path in the fresh state.
